@@ -1,0 +1,128 @@
+"""
+A small decoder-only transformer (nanoGPT-style, with RoPE, RMSNorm and grouped-query attention) that trains
+under Ulysses sequence parallelism.
+
+The model sees only its rank's S/P tokens. Everything except attention is per-token, so it runs on the local
+tokens unchanged; attention goes through ulysses.ulysses_attention, the one place where tokens of different
+ranks meet. The model knows nothing else about SP: it gets the SP group to pass to attention, and the GLOBAL
+position of each token (RoPE must rotate token i by i, not by its index inside the shard).
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ulysses import ulysses_attention
+
+
+@dataclass
+class GPTConfig:
+    vocab_size: int = 256
+    n_layer: int = 2
+    n_head: int = 4
+    n_kv_head: int = 4  # < n_head: grouped-query attention; 1: multi-query attention
+    n_embd: int = 128
+    rope_base: float = 10000.0
+
+    def __post_init__(self):
+        if self.n_embd % self.n_head or (self.n_embd // self.n_head) % 2:
+            raise ValueError(f"n_embd={self.n_embd} must split into n_head={self.n_head} heads of even size")
+        if self.n_head % self.n_kv_head:
+            raise ValueError(f"n_head={self.n_head} is not a multiple of n_kv_head={self.n_kv_head}; "
+                             f"choose n_kv_head in {set(k for k in range(1, self.n_head + 1) if self.n_head % k == 0)}")
+
+
+def rope_cos_sin(position_ids, head_dim, base):
+    """position_ids [B, S] (global positions) -> cos, sin [B, S, 1, head_dim] for rotate-half RoPE."""
+    inv_freq = base ** -(torch.arange(0, head_dim, 2, device=position_ids.device, dtype=torch.float32) / head_dim)
+    angles = position_ids.float()[..., None] * inv_freq  # (B, S, D/2)
+    angles = torch.cat([angles, angles], dim=-1)[:, :, None, :]  # (B, S, 1, D)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x, cos, sin):
+    """x [B, S, H, D]: rotate each pair (x_i, x_{i+D/2}) by its position's angle."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return (x * cos + torch.cat([-x2, x1], dim=-1) * sin).to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg, sp_group):
+        super().__init__()
+        self.n_head, self.n_kv_head, self.head_dim = cfg.n_head, cfg.n_kv_head, cfg.n_embd // cfg.n_head
+        self.qkv = nn.Linear(cfg.n_embd, (cfg.n_head + 2 * cfg.n_kv_head) * self.head_dim, bias=False)
+        self.proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=False)
+        self.sp_group = sp_group
+
+    def forward(self, x, cos, sin):
+        B, S, _ = x.shape  # S = local tokens, S/P
+        q, k, v = self.qkv(x).view(B, S, -1, self.head_dim).split([self.n_head, self.n_kv_head, self.n_kv_head], 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # (B, S/P, H, D), global positions
+        y = ulysses_attention(q, k, v, group=self.sp_group)  # (B, S/P, n_head, D)
+        return self.proj(y.reshape(B, S, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd, bias=False)
+        self.proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd, bias=False)
+
+    def forward(self, x):
+        return self.proj(F.gelu(self.fc(x)))  # (B, S/P, h) -> (B, S/P, 4h) -> (B, S/P, h)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg, sp_group):
+        super().__init__()
+        self.norm1, self.attn = nn.RMSNorm(cfg.n_embd), Attention(cfg, sp_group)
+        self.norm2, self.mlp = nn.RMSNorm(cfg.n_embd), MLP(cfg)
+
+    def forward(self, x, cos, sin):
+        x = x + self.attn(self.norm1(x), cos, sin)
+        return x + self.mlp(self.norm2(x))
+
+
+class Head(nn.Module):
+    """Final norm and language-model head. With labels, returns (sum of token losses, correct predictions)
+    over the valid (label != -100) tokens, never a mean: the caller divides by the global valid-token count."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.norm = nn.RMSNorm(cfg.n_embd)
+        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+
+    def forward(self, x, labels=None):
+        logits = self.lm_head(self.norm(x)).float()  # (B, S/P, vocab)
+        if labels is None:
+            return logits
+        loss_sum = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum")
+        correct = ((logits.argmax(-1) == labels) & (labels != -100)).sum()
+        return loss_sum, correct
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg, sp_group=None):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        self.blocks = nn.ModuleList(Block(cfg, sp_group) for _ in range(cfg.n_layer))
+        self.head = Head(cfg)
+        for name, p in self.named_parameters():
+            if p.dim() == 2:  # residual projections scaled down with depth, as in GPT-2
+                std = 0.02 / (2 * cfg.n_layer) ** 0.5 if name.endswith("proj.weight") else 0.02
+                nn.init.normal_(p, mean=0.0, std=std)
+
+    def units(self):
+        """The pieces that ZeRO-3 gathers one at a time, in forward order."""
+        return [self.embed, *self.blocks, self.head]
+
+    def forward(self, idx, position_ids, labels=None):
+        """idx, position_ids, labels: [B, S/P] (this rank's tokens; position ids are global)."""
+        x = self.embed(idx)  # (B, S/P, h)
+        cos, sin = rope_cos_sin(position_ids, self.cfg.n_embd // self.cfg.n_head, self.cfg.rope_base)
+        for block in self.blocks:
+            x = block(x, cos, sin)
+        return self.head(x, labels)

@@ -1,0 +1,128 @@
+"""
+Ulysses sequence parallelism: attention over a sequence that no single rank holds.
+
+Each of the P ranks of a sequence-parallel (SP) group holds S/P consecutive tokens of every sequence, with
+all H attention heads. Attention needs the whole sequence, but each head is independent of the others. So one
+all-to-all trades the split: afterwards every rank holds the WHOLE sequence for H/P of the heads, runs any
+ordinary attention kernel on it, and a second all-to-all trades back.
+
+    rank r holds          all-to-all          rank r holds              all-to-all        rank r holds
+    tokens r, all heads  ------------->  all tokens, heads r  --attn-->  ------------->  tokens r, all heads
+    [B, S/P, H, D]       seq_to_heads       [B, S, H/P, D]              heads_to_seq      [B, S/P, H, D]
+
+Each rank sends (P-1)/P of its local tensor, so the bytes per rank and link fall as 1/P when P grows with S
+(Megatron-style SP all-gathers the full activation instead). The backward of an all-to-all is the opposite
+all-to-all, so training costs the same traffic again.
+
+This file depends on torch alone: copy it into your own project. The bytes it sends are counted in
+`all_to_all_stats`, so a training script can print what was really sent.
+"""
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+try:  # optional: flash-attn's kernel takes the [B, S, H, D] layout as it is
+    from flash_attn import flash_attn_func
+except ImportError:
+    flash_attn_func = None
+
+# what this process has sent to other ranks: {"forward"|"backward": {"calls": int, "bytes": int}}
+all_to_all_stats = {"forward": {"calls": 0, "bytes": 0}, "backward": {"calls": 0, "bytes": 0}}
+
+
+def reset_all_to_all_stats():
+    for counts in all_to_all_stats.values():
+        counts["calls"], counts["bytes"] = 0, 0
+
+
+def _all_to_all(x, group, scatter_dim, gather_dim, direction):
+    """Split x into P chunks along scatter_dim, send chunk j to rank j, concatenate the P received chunks
+    along gather_dim (chunk i came from rank i). One collective call."""
+    P = dist.get_world_size(group)
+    send = torch.stack(x.chunk(P, dim=scatter_dim))  # (P, *chunk shape): row j goes to rank j
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)
+    all_to_all_stats[direction]["calls"] += 1
+    all_to_all_stats[direction]["bytes"] += send.numel() * send.element_size() * (P - 1) // P  # row r stays
+    return torch.cat(recv.unbind(0), dim=gather_dim)
+
+
+class _SeqToHeads(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _all_to_all(x, group, scatter_dim=2, gather_dim=1, direction="forward")
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_to_all(grad, ctx.group, scatter_dim=1, gather_dim=2, direction="backward"), None
+
+
+class _HeadsToSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _all_to_all(x, group, scatter_dim=1, gather_dim=2, direction="forward")
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_to_all(grad, ctx.group, scatter_dim=2, gather_dim=1, direction="backward"), None
+
+
+def seq_to_heads(x, group):
+    """[B, S/P, H, D] (my tokens, all heads) -> [B, S, H/P, D] (all tokens, my heads). Backward: heads_to_seq."""
+    return _SeqToHeads.apply(x, group)
+
+
+def heads_to_seq(x, group):
+    """[B, S, H/P, D] (all tokens, my heads) -> [B, S/P, H, D] (my tokens, all heads). Backward: seq_to_heads."""
+    return _HeadsToSeq.apply(x, group)
+
+
+def causal_attention(q, k, v, **kwargs):
+    """Default kernel. q [B, S, Hq, D], k and v [B, S, Hkv, D] with Hq a multiple of Hkv -> [B, S, Hq, D]."""
+    if flash_attn_func is not None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
+        return flash_attn_func(q, k, v, causal=True, **kwargs)
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, S, H, D) -> (B, H, S, D), SDPA's layout
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1], **kwargs)
+    return out.transpose(1, 2)  # (B, H, S, D) -> (B, S, H, D)
+
+
+def kv_heads_to_send(n_head, n_kv_head, sp):
+    """How many key/value heads go into the all-to-all, or ValueError for a head layout that cannot be split."""
+    if n_head % sp:
+        divisors = [p for p in range(1, n_head + 1) if n_head % p == 0]
+        raise ValueError(f"n_head={n_head} is not divisible by sp={sp}; choose sp in {set(divisors)}")
+    if n_kv_head % sp == 0:
+        return n_kv_head  # every rank receives n_kv_head/sp heads, the ones its n_head/sp query heads use
+    if sp % n_kv_head == 0:
+        return sp  # each kv head is copied sp/n_kv_head times, so every rank receives exactly one
+    raise ValueError(f"n_kv_head={n_kv_head} and sp={sp}: one must divide the other "
+                     f"(n_kv_head % sp == 0 or sp % n_kv_head == 0)")
+
+
+def ulysses_attention(q, k, v, group=None, attn_fn=None, **attn_kwargs):
+    """Attention over the full sequence when each rank holds S/P tokens.
+
+    q [B, S/P, Hq, D], k and v [B, S/P, Hkv, D] -> [B, S/P, Hq, D]. attn_fn(q, k, v, **attn_kwargs) sees the
+    full sequence in the same layout, [B, S, heads, D]; it defaults to causal attention. group=None or a group
+    of one rank runs attn_fn directly. Costs one all-to-all for q, k and v together and one for the output.
+    """
+    attn_fn = attn_fn or causal_attention
+    P = 1 if group is None else dist.get_world_size(group)
+    if P == 1:
+        return attn_fn(q, k, v, **attn_kwargs)
+    B, S_local, Hq, D = q.shape
+    Hkv = k.shape[2]
+    n_send = kv_heads_to_send(Hq, Hkv, P)
+    if n_send != Hkv:  # kv head j is used by query heads [j*Hq/Hkv, (j+1)*Hq/Hkv), which land on sp/Hkv ranks
+        k, v = k.repeat_interleave(n_send // Hkv, dim=2), v.repeat_interleave(n_send // Hkv, dim=2)
+    # Pack q, k, v so that the chunk for rank j holds its query heads and the kv heads they use:
+    # (B, S/P, H, D) -> (B, S/P, P, H/P, D), concatenated on the head dim -> (B, S/P, P*(Hq+2*Hkv)/P, D)
+    hq, hkv = Hq // P, n_send // P
+    qkv = torch.cat([t.reshape(B, S_local, P, -1, D) for t in (q, k, v)], dim=3).flatten(2, 3)
+    qkv = seq_to_heads(qkv, group)  # (B, S, hq + 2*hkv, D)
+    q, k, v = qkv.split([hq, hkv, hkv], dim=2)  # (B, S, hq, D), (B, S, hkv, D), (B, S, hkv, D)
+    out = attn_fn(q, k, v, **attn_kwargs)  # (B, S, hq, D)
+    return heads_to_seq(out, group)  # (B, S/P, Hq, D)
