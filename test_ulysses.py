@@ -42,3 +42,127 @@ def run_ranks(world_size, fn, *args):
     with tempfile.TemporaryDirectory() as result_dir:
         mp.spawn(_worker, args=(world_size, _free_port(), fn, args, result_dir), nprocs=world_size)
         return [torch.load(os.path.join(result_dir, f"{r}.pt"), weights_only=False) for r in range(world_size)]
+
+
+def _sp_slice(full, rank, world_size, dim=1):
+    return full.chunk(world_size, dim=dim)[rank]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the all-to-all
+
+
+def _all_to_all_rank(rank, world_size):
+    group = dist.group.WORLD
+    full = torch.randn(2, 8, 4 * world_size, 3, generator=torch.Generator().manual_seed(0))  # (B, S, H, D)
+    local = _sp_slice(full, rank, world_size).clone().requires_grad_()  # (B, S/P, H, D): my tokens
+    heads = ulysses.seq_to_heads(local, group)  # (B, S, H/P, D): all tokens, my heads
+    back = ulysses.heads_to_seq(heads, group)
+    grad_heads = torch.randn(heads.shape, generator=torch.Generator().manual_seed(1 + rank))
+    heads.backward(grad_heads)
+    return heads.detach(), back.detach(), local.grad, ulysses.heads_to_seq(grad_heads, group)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_all_to_all_round_trip_and_backward(world_size):
+    results = run_ranks(world_size, _all_to_all_rank)
+    full = torch.randn(2, 8, 4 * world_size, 3, generator=torch.Generator().manual_seed(0))
+    for rank, (heads, back, grad, inverse_of_grad) in enumerate(results):
+        assert torch.equal(heads, _sp_slice(full, rank, world_size, dim=2))  # exactly my heads, every token
+        assert torch.equal(back, _sp_slice(full, rank, world_size))  # heads_to_seq undoes seq_to_heads
+        assert torch.equal(grad, inverse_of_grad)  # backward of seq_to_heads is heads_to_seq
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# ulysses_attention against attention on one device
+
+ATTENTION_CASES = [(2, 4, 4), (4, 8, 8), (2, 8, 2), (4, 8, 4), (4, 8, 2), (4, 4, 1)]  # (P, Hq, Hkv)
+
+
+def _qkv(B, S, Hq, Hkv, D):
+    g = torch.Generator().manual_seed(Hq * 100 + Hkv)
+    return [torch.randn(B, S, h, D, generator=g) for h in (Hq, Hkv, Hkv, Hq)]  # q, k, v, grad of out
+
+
+def _attention_rank(rank, world_size, cases):
+    results = []
+    for P, Hq, Hkv in cases:
+        q, k, v, grad_out = (_sp_slice(t, rank, P).clone() for t in _qkv(2, 16, Hq, Hkv, 8))
+        q, k, v = (t.requires_grad_() for t in (q, k, v))
+        out = ulysses.ulysses_attention(q, k, v, group=dist.group.WORLD)
+        out.backward(grad_out)
+        results.append((out.detach(), q.grad, k.grad, v.grad))
+    return results
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_ulysses_attention_matches_one_device(world_size):
+    """MHA, GQA with n_kv_head % P == 0, and n_kv_head < P (kv heads replicated): output and dq, dk, dv."""
+    cases = [c for c in ATTENTION_CASES if c[0] == world_size]
+    per_rank = run_ranks(world_size, _attention_rank, cases)
+    for i, (P, Hq, Hkv) in enumerate(cases):
+        q, k, v, grad_out = _qkv(2, 16, Hq, Hkv, 8)
+        q, k, v = (t.requires_grad_() for t in (q, k, v))
+        out = ulysses.causal_attention(q, k, v)
+        out.backward(grad_out)
+        for got, want in zip(zip(*(r[i] for r in per_rank)), (out, q.grad, k.grad, v.grad)):
+            torch.testing.assert_close(torch.cat(got, dim=1), want, rtol=1e-5, atol=1e-5)
+
+
+def test_head_layouts_that_cannot_be_split_are_refused():
+    assert ulysses.kv_heads_to_send(8, 8, 4) == 8
+    assert ulysses.kv_heads_to_send(8, 2, 4) == 4
+    with pytest.raises(ValueError, match=r"n_head=12 is not divisible by sp=8; choose sp in"):
+        ulysses.kv_heads_to_send(12, 12, 8)
+    with pytest.raises(ValueError, match=r"n_kv_head=6 and sp=4"):
+        ulysses.kv_heads_to_send(12, 6, 4)
+    with pytest.raises(ValueError, match=r"n_head=8 is not a multiple of n_kv_head=3"):
+        GPTConfig(n_head=8, n_kv_head=3, n_embd=64)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the whole model: SP=P equals SP=1, with and without padding
+
+GPT_CASES = [(16, 4, 4), (13, 4, 2), (13, 4, 1)]  # (seq_len, n_head, n_kv_head); 13 is not divisible by 2 or 4
+
+
+def _gpt_loss_and_grads(cases, sp_group, sp_rank, sp):
+    import train
+    results = []
+    for seq_len, n_head, n_kv_head in cases:
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(n_layer=2, n_head=n_head, n_kv_head=n_kv_head, n_embd=32), sp_group=sp_group)
+        samples = [train.copy_sample(seed=3, index=i, seq_len=seq_len) for i in range(2)]
+        inputs, labels = torch.stack([s[0] for s in samples]), torch.stack([s[1] for s in samples])  # (B, S)
+        inputs, labels, position_ids = train.shard_for_sp(inputs, labels, sp_rank, sp)  # (B, S_pad/sp)
+        valid = (torch.stack([s[1] for s in samples]) != -100).sum()
+        ulysses.reset_all_to_all_stats()
+        loss_sum, _ = model(inputs, position_ids, labels)
+        (loss_sum / valid).backward()
+        stats = {d: dict(c) for d, c in ulysses.all_to_all_stats.items()}
+        results.append((loss_sum.detach() / valid, {n: p.grad for n, p in model.named_parameters()}, stats))
+    return results
+
+
+def _gpt_rank(rank, world_size):
+    return _gpt_loss_and_grads(GPT_CASES, dist.group.WORLD, rank, world_size)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_gpt_with_sp_matches_one_device(world_size):
+    import train
+    per_rank = run_ranks(world_size, _gpt_rank)
+    reference = _gpt_loss_and_grads(GPT_CASES, None, 0, 1)
+    for i, (seq_len, n_head, n_kv_head) in enumerate(GPT_CASES):
+        ref_loss, ref_grads, _ = reference[i]
+        # each rank holds the loss of its own tokens; summed they are the loss of the whole sequence
+        torch.testing.assert_close(sum(r[i][0] for r in per_rank), ref_loss, rtol=1e-5, atol=1e-6)
+        for name, ref_grad in ref_grads.items():  # parameter gradients are summed over ranks (DESIGN.md step 8)
+            torch.testing.assert_close(sum(r[i][1][name] for r in per_rank), ref_grad, rtol=1e-4, atol=1e-6,
+                                       msg=lambda m: f"{name} (seq {seq_len}, kv {n_kv_head}): {m}")
+        args = train.parse_args(["--seq-len", str(seq_len), "--batch-size", "2", "--n-layer", "2", "--n-head",
+                                 str(n_head), "--n-kv-head", str(n_kv_head), "--n-embd", "32", "--sp", str(world_size)])
+        for rank_results in per_rank:  # what was really sent equals the formula; 2 all-to-alls a layer each way
+            stats = rank_results[i][2]
+            assert stats["forward"]["calls"] == stats["backward"]["calls"] == 2 * 2
+            assert stats["forward"]["bytes"] + stats["backward"]["bytes"] == train.all_to_all_bytes_formula(args, 4)
