@@ -5,6 +5,7 @@ compares against the obvious single-device computation in float32.
     pytest -q test_ulysses.py
 """
 
+import json
 import os
 import socket
 import tempfile
@@ -166,3 +167,62 @@ def test_gpt_with_sp_matches_one_device(world_size):
             stats = rank_results[i][2]
             assert stats["forward"]["calls"] == stats["backward"]["calls"] == 2 * 2
             assert stats["forward"]["bytes"] + stats["backward"]["bytes"] == train.all_to_all_bytes_formula(args, 4)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# train.py: the same global batch gives the same training, whatever the layout
+
+TRAIN_ARGS = ["--steps", "8", "--n-layer", "2", "--n-embd", "32", "--lr", "1e-2"]
+LAYOUTS = {  # global batch 8 sequences in each: dp * batch-size * grad-accum
+    "sp1": (1, ["--sp", "1", "--batch-size", "8"]),
+    "sp4": (4, ["--sp", "4", "--batch-size", "8"]),
+    "dp2xsp2": (4, ["--sp", "2", "--batch-size", "2", "--grad-accum", "2"]),
+}
+
+
+def _train_rank(rank, world_size, argv_list):
+    import train
+    return [[r["loss"] for r in train.main(argv)] for argv in argv_list]
+
+
+@pytest.mark.parametrize("extra", [["--seq-len", "64"], ["--seq-len", "101", "--n-kv-head", "2"]], ids=["seq64", "seq101-kv2"])
+def test_training_is_the_same_for_every_layout(extra):
+    losses = {"sp1": run_ranks(1, _train_rank, [LAYOUTS["sp1"][1] + TRAIN_ARGS + extra])[0][0]}
+    four = run_ranks(4, _train_rank, [LAYOUTS[name][1] + TRAIN_ARGS + extra for name in ("sp4", "dp2xsp2")])
+    losses["sp4"], losses["dp2xsp2"] = four[0]
+    assert all(r == four[0] for r in four)  # every rank reports the same global loss
+    for name in ("sp4", "dp2xsp2"):
+        torch.testing.assert_close(losses[name], losses["sp1"], rtol=0, atol=2e-5, msg=lambda m: f"{name}: {m}")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# train.py: mistakes get a one-line error and a non-zero exit, before any collective
+
+
+@pytest.mark.parametrize("world_size, argv, message", [
+    (4, ["--sp", "3"], r"--sp 3 does not divide the world size 4; choose --sp in \[1, 2, 4\]"),
+    (4, ["--n-head", "6", "--n-embd", "48"], r"n_head=6 is not divisible by sp=4; choose sp in"),
+    (4, ["--n-head", "8", "--n-kv-head", "8", "--sp", "4", "--n-kv-head", "6"], r"n_head=8 is not a multiple of n_kv_head=6"),
+    (4, ["--n-head", "12", "--n-kv-head", "6", "--n-embd", "96"], r"n_kv_head=6 and sp=4: one must divide the other"),
+    (4, ["--seq-len", "3"], r"--seq-len 3 is smaller than --sp 4"),
+    (1, ["--data", "/no/such/file.txt"], r"--data /no/such/file.txt: no such file"),
+    (1, ["--batch-size", "0"], r"--batch-size 0 must be at least 1"),
+])
+def test_bad_input_is_refused(monkeypatch, world_size, argv, message):
+    import train
+    monkeypatch.setenv("WORLD_SIZE", str(world_size))
+    with pytest.raises(SystemExit, match=message):
+        train.main(argv)
+    assert not dist.is_initialized()
+
+
+def test_torchrun_train_exits_zero(tmp_path):
+    import subprocess
+    import sys
+    metrics = tmp_path / "metrics.jsonl"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py", "--steps",
+           "3", "--seq-len", "32", "--n-embd", "32", "--metrics", str(metrics)]
+    done = subprocess.run(cmd, cwd=os.path.dirname(os.path.abspath(__file__)), capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "all-to-all per rank per step" in done.stdout
+    assert [json.loads(line)["step"] for line in metrics.read_text().splitlines()] == [1, 2, 3]

@@ -55,8 +55,8 @@ def parse_args(argv=None):
 
 
 def fail(message):
-    """A mistake the user can fix: one line, non-zero exit, before any collective can hang."""
-    raise SystemExit(f"train.py: error: {message}")
+    """A mistake the user can fix: one line (from rank 0 only), non-zero exit, before any collective can hang."""
+    raise SystemExit(f"train.py: error: {message}" if int(os.environ.get("RANK", 0)) == 0 else 1)
 
 
 def check_args(args, world_size):
