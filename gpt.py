@@ -14,7 +14,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ulysses import ulysses_attention
+from ulysses import (causal_attention, document_attention, gather_sequence, local_attention,
+                     ulysses_attention)
 
 
 @dataclass
@@ -24,6 +25,7 @@ class GPTConfig:
     n_head: int = 4
     n_kv_head: int = 4  # < n_head: grouped-query attention; 1: multi-query attention
     n_embd: int = 128
+    window: int = 0  # > 0: sliding-window attention over the last `window` tokens; 0: full causal attention
     rope_base: float = 10000.0
 
     def __post_init__(self):
@@ -56,11 +58,11 @@ class Attention(nn.Module):
         self.proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=False)
         self.sp_group = sp_group
 
-    def forward(self, x, cos, sin):
+    def forward(self, x, cos, sin, attn_fn, attn_kwargs):
         B, S, _ = x.shape  # S = local tokens, S/P
         q, k, v = self.qkv(x).view(B, S, -1, self.head_dim).split([self.n_head, self.n_kv_head, self.n_kv_head], 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # (B, S/P, H, D), global positions
-        y = ulysses_attention(q, k, v, group=self.sp_group)  # (B, S/P, n_head, D)
+        y = ulysses_attention(q, k, v, self.sp_group, attn_fn, **attn_kwargs)  # (B, S/P, n_head, D)
         return self.proj(y.reshape(B, S, -1))
 
 
@@ -80,8 +82,8 @@ class Block(nn.Module):
         self.norm1, self.attn = nn.RMSNorm(cfg.n_embd), Attention(cfg, sp_group)
         self.norm2, self.mlp = nn.RMSNorm(cfg.n_embd), MLP(cfg)
 
-    def forward(self, x, cos, sin):
-        x = x + self.attn(self.norm1(x), cos, sin)
+    def forward(self, x, cos, sin, attn_fn, attn_kwargs):
+        x = x + self.attn(self.norm1(x), cos, sin, attn_fn, attn_kwargs)
         return x + self.mlp(self.norm2(x))
 
 
@@ -109,6 +111,7 @@ class GPT(nn.Module):
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.n_embd)
         self.blocks = nn.ModuleList(Block(cfg, sp_group) for _ in range(cfg.n_layer))
+        self.sp_group = sp_group
         self.head = Head(cfg)
         for name, p in self.named_parameters():
             if p.dim() == 2:  # residual projections scaled down with depth, as in GPT-2
@@ -119,10 +122,17 @@ class GPT(nn.Module):
         """The pieces that ZeRO-3 gathers one at a time, in forward order."""
         return [self.embed, *self.blocks, self.head]
 
-    def forward(self, idx, position_ids, labels=None):
-        """idx, position_ids, labels: [B, S/P] (this rank's tokens; position ids are global)."""
+    def forward(self, idx, position_ids, labels=None, packed=False):
+        """idx, position_ids, labels: [B, S/P], this rank's tokens. position_ids are positions in the full
+        sequence, or, with packed=True, in each document (0 where a document starts, and only there)."""
+        window = self.cfg.window
+        if packed:  # attention runs on the full sequence, so it needs the document starts of the full sequence
+            attn_fn, attn_kwargs = document_attention, {"position_ids": gather_sequence(position_ids, self.sp_group),
+                                                        "window": window}
+        else:
+            attn_fn, attn_kwargs = (local_attention, {"window": window}) if window else (causal_attention, {})
         x = self.embed(idx)  # (B, S/P, h)
         cos, sin = rope_cos_sin(position_ids, self.cfg.n_embd // self.cfg.n_head, self.cfg.rope_base)
         for block in self.blocks:
-            x = block(x, cos, sin)
+            x = block(x, cos, sin, attn_fn, attn_kwargs)
         return self.head(x, labels)

@@ -88,26 +88,54 @@ def _qkv(B, S, Hq, Hkv, D):
 def _attention_rank(rank, world_size, cases):
     results = []
     for P, Hq, Hkv in cases:
-        q, k, v, grad_out = (_sp_slice(t, rank, P).clone() for t in _qkv(2, 16, Hq, Hkv, 8))
-        q, k, v = (t.requires_grad_() for t in (q, k, v))
-        out = ulysses.ulysses_attention(q, k, v, group=dist.group.WORLD)
-        out.backward(grad_out)
-        results.append((out.detach(), q.grad, k.grad, v.grad))
+        q, k, v, grad_out = (_sp_slice(t, rank, P) for t in _qkv(2, 16, Hq, Hkv, 8))
+        for attn_fn, kwargs in ((None, {}), (ulysses.local_attention, {"window": 5})):  # None: the default
+            q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+            out = ulysses.ulysses_attention(q, k, v, dist.group.WORLD, attn_fn, **kwargs)
+            out.backward(grad_out)
+            results.append((out.detach(), q.grad, k.grad, v.grad))
     return results
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_ulysses_attention_matches_one_device(world_size):
-    """MHA, GQA with n_kv_head % P == 0, and n_kv_head < P (kv heads replicated): output and dq, dk, dv."""
+    """MHA, GQA with n_kv_head % P == 0, and n_kv_head < P (kv heads replicated): output and dq, dk, dv, for
+    causal attention and for sliding-window attention passed in as attn_fn."""
     cases = [c for c in ATTENTION_CASES if c[0] == world_size]
     per_rank = run_ranks(world_size, _attention_rank, cases)
-    for i, (P, Hq, Hkv) in enumerate(cases):
+    kernels = [(ulysses.causal_attention, {}), (ulysses.local_attention, {"window": 5})]
+    for i, ((P, Hq, Hkv), (attn_fn, kwargs)) in enumerate((c, k) for c in cases for k in kernels):
         q, k, v, grad_out = _qkv(2, 16, Hq, Hkv, 8)
         q, k, v = (t.requires_grad_() for t in (q, k, v))
-        out = ulysses.causal_attention(q, k, v)
+        out = attn_fn(q, k, v, **kwargs)
         out.backward(grad_out)
         for got, want in zip(zip(*(r[i] for r in per_rank)), (out, q.grad, k.grad, v.grad)):
             torch.testing.assert_close(torch.cat(got, dim=1), want, rtol=1e-5, atol=1e-5)
+
+
+def _dense_attention(q, k, v, allowed):
+    """The textbook formula with an explicit [S, S] (or [B, S, S]) mask of allowed query-key pairs."""
+    k, v = (t.repeat_interleave(q.shape[2] // k.shape[2], dim=2) for t in (k, v))
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, k) / q.shape[-1] ** 0.5
+    scores = scores.masked_fill(~allowed.view(-1, 1, *allowed.shape[-2:]), float("-inf"))
+    return torch.einsum("bhqk,bkhd->bqhd", scores.softmax(-1), v)
+
+
+def test_attention_kernels_match_the_dense_formula():
+    q, k, v, _ = _qkv(2, 16, 4, 2, 8)
+    i = torch.arange(16)
+    causal = i[:, None] >= i[None, :]
+    torch.testing.assert_close(ulysses.causal_attention(q, k, v), _dense_attention(q, k, v, causal))
+    torch.testing.assert_close(ulysses.local_attention(q, k, v, window=5),
+                               _dense_attention(q, k, v, causal & (i[:, None] - i[None, :] < 5)))
+    position_ids = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 5, 6, 0, 1, 0, 1],
+                                 [5, 6, 7, 8, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]])  # row 1 opens mid-document
+    document = (position_ids == 0).cumsum(1)  # (B, S): which document each token is in
+    same_document = document[:, :, None] == document[:, None, :]  # (B, S, S)
+    torch.testing.assert_close(ulysses.document_attention(q, k, v, position_ids),
+                               _dense_attention(q, k, v, causal & same_document))
+    torch.testing.assert_close(ulysses.document_attention(q, k, v, position_ids, window=3),
+                               _dense_attention(q, k, v, causal & same_document & (i[:, None] - i[None, :] < 3)))
 
 
 def test_head_layouts_that_cannot_be_split_are_refused():
@@ -133,10 +161,10 @@ def _gpt_loss_and_grads(cases, sp_group, sp_rank, sp):
     for seq_len, n_head, n_kv_head in cases:
         torch.manual_seed(0)
         model = GPT(GPTConfig(n_layer=2, n_head=n_head, n_kv_head=n_kv_head, n_embd=32), sp_group=sp_group)
-        samples = [train.copy_sample(seed=3, index=i, seq_len=seq_len) for i in range(2)]
-        inputs, labels = torch.stack([s[0] for s in samples]), torch.stack([s[1] for s in samples])  # (B, S)
-        inputs, labels, position_ids = train.shard_for_sp(inputs, labels, sp_rank, sp)  # (B, S_pad/sp)
-        valid = (torch.stack([s[1] for s in samples]) != -100).sum()
+        args = train.parse_args(["--seed", "3", "--seq-len", str(seq_len)])
+        full = [torch.stack(column) for column in zip(*(train.make_sample(args, None, i) for i in range(2)))]
+        inputs, labels, position_ids = train.shard_for_sp(*full, sp_rank, sp)  # (B, S_pad/sp) each
+        valid = (full[1] != -100).sum()
         ulysses.reset_all_to_all_stats()
         loss_sum, _ = model(inputs, position_ids, labels)
         (loss_sum / valid).backward()
@@ -226,3 +254,80 @@ def test_torchrun_train_exits_zero(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     assert "all-to-all per rank per step" in done.stdout
     assert [json.loads(line)["step"] for line in metrics.read_text().splitlines()] == [1, 2, 3]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# packed documents: SP boundaries are not document boundaries
+
+DOC_LENGTHS = [8, 11, 3, 10]  # S = 32; with sp 4 (8 tokens a rank): a document starts exactly at a shard
+                              # boundary (8), one straddles two (8..19), one is shorter than a shard (19..22)
+
+
+def _packed_batch(changed_document=None):
+    """Two rows of the same four documents (the second row reversed). changed_document: new tokens for it."""
+    g = torch.Generator().manual_seed(7)
+    docs = [torch.randint(0, 256, (n,), generator=g) for n in DOC_LENGTHS]
+    if changed_document is not None:
+        docs[changed_document] = torch.randint(0, 256, (DOC_LENGTHS[changed_document],), generator=g)
+    rows = [docs, docs[::-1]]
+    inputs = torch.stack([torch.cat(r) for r in rows])  # (2, 32)
+    labels = torch.stack([torch.cat([torch.cat([d[1:], torch.tensor([-100])]) for d in r]) for r in rows])
+    position_ids = torch.stack([torch.cat([torch.arange(len(d)) for d in r]) for r in rows])  # 0 at each start
+    return inputs, labels, position_ids
+
+
+def _packed_model(sp_group, window=0):
+    torch.manual_seed(0)
+    return GPT(GPTConfig(n_layer=2, n_head=4, n_kv_head=2, n_embd=32, window=window), sp_group=sp_group)
+
+
+def _packed_run(sp_group, sp_rank, sp, window=0, changed_document=None):
+    """Logits and (grads of the mean loss) of this rank's shard of the packed batch."""
+    import train
+    model = _packed_model(sp_group, window)
+    full_inputs, full_labels, full_positions = _packed_batch(changed_document)
+    inputs, labels, position_ids = train.shard_for_sp(full_inputs, full_labels, full_positions, sp_rank, sp)
+    logits = model(inputs, position_ids, packed=True)  # (B, S_pad/sp, vocab)
+    loss_sum = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum")
+    (loss_sum / (full_labels != -100).sum()).backward()
+    return logits.detach(), {n: p.grad for n, p in model.named_parameters()}
+
+
+def _packed_rank(rank, world_size):
+    return [_packed_run(dist.group.WORLD, rank, world_size, window) for window in (0, 5)] + \
+           [_packed_run(dist.group.WORLD, rank, world_size, 0, changed_document=1)]
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_packed_documents_under_sp(world_size):
+    per_rank = run_ranks(world_size, _packed_rank)
+    sp_results = [(torch.cat([r[i][0] for r in per_rank], dim=1), {n: sum(r[i][1][n] for r in per_rank)
+                                                                   for n in per_rank[0][i][1]}) for i in range(3)]
+    for (logits, grads), window in zip(sp_results, (0, 5)):  # SP=P equals SP=1 on the same packed batch
+        ref_logits, ref_grads = _packed_run(None, 0, 1, window)
+        torch.testing.assert_close(logits, ref_logits, rtol=1e-5, atol=1e-5)
+        for name, ref_grad in ref_grads.items():
+            torch.testing.assert_close(grads[name], ref_grad, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
+    # no leakage: new tokens in document 1 change its own logits and nothing else
+    logits, changed = sp_results[0][0], sp_results[2][0]
+    for row, order in ((0, [0, 1, 2, 3]), (1, [3, 2, 1, 0])):
+        offset = 0
+        for d in order:
+            span = slice(offset, offset + DOC_LENGTHS[d])
+            if d == 1:
+                assert not torch.allclose(logits[row, span], changed[row, span], atol=1e-3)
+            else:
+                torch.testing.assert_close(changed[row, span], logits[row, span], rtol=0, atol=1e-5)
+            offset += DOC_LENGTHS[d]
+
+
+def test_packed_batch_equals_documents_alone():
+    """Each document of a packed batch gets exactly the logits it gets when run alone from position 0."""
+    model = _packed_model(None)
+    inputs, _, position_ids = _packed_batch()
+    packed_logits = model(inputs, position_ids, packed=True)  # (2, 32, vocab)
+    offset = 0
+    for d, n in enumerate(DOC_LENGTHS):
+        alone = model(inputs[:1, offset:offset + n], torch.arange(n)[None])  # (1, n, vocab), plain causal
+        torch.testing.assert_close(packed_logits[:1, offset:offset + n], alone, rtol=1e-5, atol=1e-5)
+        offset += n

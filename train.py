@@ -49,6 +49,9 @@ def parse_args(argv=None):
     p.add_argument("--n-kv-head", type=int, default=None, help="key/value heads (default: n_head)")
     p.add_argument("--n-embd", type=int, default=128)
     p.add_argument("--data", default=None, help="a text file to train on as bytes (default: the copy task)")
+    p.add_argument("--pack", action="store_true", help="pack several documents into each sequence (text: split at "
+                   "blank lines; copy task: documents of random lengths); attention stays inside each document")
+    p.add_argument("--window", type=int, default=0, help="sliding-window attention over this many tokens (0: full)")
     p.add_argument("--metrics", default=None, help="write one JSON line per optimizer step to this file")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cpu", "cuda"])
     return p.parse_args(argv)
@@ -77,12 +80,17 @@ def check_args(args, world_size):
         ulysses.kv_heads_to_send(args.n_head, args.n_kv_head, args.sp)
     except ValueError as e:
         fail(e)
+    if args.window < 0:
+        fail(f"--window {args.window} must be 0 (full attention) or a number of tokens")
     if args.data is not None:
         if not os.path.isfile(args.data):
             fail(f"--data {args.data}: no such file")
-        if os.path.getsize(args.data) < args.seq_len + 1:
-            fail(f"--data {args.data} has {os.path.getsize(args.data)} bytes; --seq-len {args.seq_len} needs "
-                 f"at least {args.seq_len + 1}")
+        documents = text_documents(args.data, split=args.pack)
+        if not documents:
+            fail(f"--data {args.data} holds no text")
+        if not args.pack and sum(len(d) for d in documents) < args.seq_len + 1:
+            fail(f"--data {args.data} has {sum(len(d) for d in documents)} bytes of text; --seq-len {args.seq_len} "
+                 f"needs at least {args.seq_len + 1} (or use --pack)")
     if args.device == "cuda" and not torch.cuda.is_available():
         fail("--device cuda, but torch sees no CUDA device; choose --device cpu")
 
@@ -91,23 +99,49 @@ def check_args(args, world_size):
 # data: sample i depends only on (seed, i); the global batch of step t is samples [t*G, (t+1)*G) for every layout
 
 
-def copy_sample(seed, index, seq_len):
-    """seq_len + 1 tokens: n random tokens, then the same n again (cut to length). Returns (inputs, labels)
-    with labels already shifted by one, and -100 where the label is still in the random half."""
-    n = (seq_len + 2) // 2
-    g = torch.Generator().manual_seed(seed * 1_000_003 + index)
+def copy_document(n, g):
+    """2n tokens: n random ones, then the same n again. Labels are the next token inside the document (shifted
+    here, before any sharding), -100 where it cannot be known: in the random half, and at the last token, whose
+    next token would belong to another document."""
     half = torch.randint(0, 256, (n,), generator=g)
-    tokens = torch.cat([half, half])[: seq_len + 1]
-    labels = tokens[1:].clone()
-    labels[: n - 1] = -100  # labels tokens[1..n-1]: random, unpredictable
-    return tokens[:-1], labels
+    tokens = torch.cat([half, half])
+    labels = torch.cat([tokens[1:], torch.tensor([-100])])
+    labels[: n - 1] = -100
+    return tokens, labels
 
 
-def text_sample(data, seed, index, seq_len):
-    g = torch.Generator().manual_seed(seed * 1_000_003 + index)
-    start = torch.randint(0, len(data) - seq_len, (1,), generator=g).item()
-    tokens = data[start: start + seq_len + 1].long()
-    return tokens[:-1], tokens[1:]
+def text_documents(path, split):
+    """A text file as bytes (vocab 256): one document, or with split=True one per blank-line-separated paragraph."""
+    with open(path, "rb") as f:
+        raw = f.read()
+    parts = [d for d in raw.split(b"\n\n") if d.strip()] if split else [raw] if raw else []
+    return [torch.frombuffer(bytearray(d), dtype=torch.uint8).long() for d in parts]
+
+
+def make_sample(args, documents, index):
+    """Sample `index` of the dataset, a function of (seed, index) alone: (inputs, labels, position_ids), each [S].
+    Unpacked: one document (a copy task whose copy starts near the middle, or a window of the text).
+    Packed: whole documents back to back, cut at seq_len; position ids restart at 0 at each document start."""
+    g = torch.Generator().manual_seed(args.seed * 1_000_003 + index)
+    S = args.seq_len
+    if not args.pack:
+        if documents is None:
+            tokens, labels = copy_document((S + 2) // 2, g)  # at least S + 1 tokens: every label is real
+        else:
+            text = documents[0]
+            start = torch.randint(0, len(text) - S, (1,), generator=g).item()
+            tokens, labels = text[start: start + S], text[start + 1: start + S + 1]
+        return tokens[:S], labels[:S], torch.arange(S)
+    pieces = []
+    while sum(len(t) for t, _ in pieces) < S:
+        if documents is None:
+            pieces.append(copy_document(torch.randint(4, max(4, S // 4) + 1, (1,), generator=g).item(), g))
+        else:
+            doc = documents[torch.randint(0, len(documents), (1,), generator=g).item()]
+            pieces.append((doc, torch.cat([doc[1:], torch.tensor([-100])])))
+    tokens, labels = torch.cat([t for t, _ in pieces]), torch.cat([l for _, l in pieces])
+    position_ids = torch.cat([torch.arange(len(t)) for t, _ in pieces])  # 0 at each document start, only there
+    return tokens[:S], labels[:S], position_ids[:S]
 
 
 def global_batch_indices(step, micro, dp_rank, args, dp):
@@ -116,24 +150,24 @@ def global_batch_indices(step, micro, dp_rank, args, dp):
     return range(start, start + args.batch_size)
 
 
-def shard_for_sp(inputs, labels, sp_rank, sp):
-    """Full sequences [B, S] -> this rank's [B, S_pad/sp] inputs, labels and global position ids.
-    Pads at the end to a multiple of sp (labels -100): nothing is dropped, and causal attention keeps every
-    real token from seeing the padding."""
+def shard_for_sp(inputs, labels, position_ids, sp_rank, sp):
+    """Full sequences [B, S] -> this rank's [B, S_pad/sp] inputs, labels and position ids.
+    Pads at the end to a multiple of sp (labels -100, positions counting on): nothing is dropped, and causal
+    attention keeps every real token from seeing the padding. Position ids are those of the full sequence:
+    rank r's first token is at position r*S_pad/sp (unless a document starts there), never at 0."""
     B, S = inputs.shape
     pad = -S % sp
     inputs, labels = F.pad(inputs, (0, pad), value=0), F.pad(labels, (0, pad), value=-100)  # (B, S_pad)
-    position_ids = torch.arange(S + pad).expand(B, -1)  # global positions: RoPE must not restart per shard
+    position_ids = torch.cat([position_ids, position_ids[:, -1:] + torch.arange(1, pad + 1)], dim=1)  # (B, S_pad)
     local = (S + pad) // sp
     keep = slice(sp_rank * local, (sp_rank + 1) * local)
     return inputs[:, keep], labels[:, keep], position_ids[:, keep]  # (B, S_pad/sp) each
 
 
-def load_micro_batch(step, micro, args, data, dp, dp_rank, sp_rank, device):
-    samples = [text_sample(data, args.seed, i, args.seq_len) if data is not None else
-               copy_sample(args.seed, i, args.seq_len) for i in global_batch_indices(step, micro, dp_rank, args, dp)]
-    inputs, labels = torch.stack([s[0] for s in samples]), torch.stack([s[1] for s in samples])  # (B, S)
-    return [t.to(device) for t in shard_for_sp(inputs, labels, sp_rank, args.sp)]
+def load_micro_batch(step, micro, args, documents, dp, dp_rank, sp_rank, device):
+    samples = [make_sample(args, documents, i) for i in global_batch_indices(step, micro, dp_rank, args, dp)]
+    full = [torch.stack(column) for column in zip(*samples)]  # inputs, labels, position_ids: (B, S)
+    return [t.to(device) for t in shard_for_sp(*full, sp_rank, args.sp)]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -187,13 +221,11 @@ def main(argv=None):
     mesh = init_device_mesh(device.type, (dp, args.sp), mesh_dim_names=("dp", "sp"))  # ranks = arange(world).view(dp, sp)
     sp_group = mesh.get_group("sp")
     rank, dp_rank, sp_rank = dist.get_rank(), mesh.get_local_rank("dp"), mesh.get_local_rank("sp")
-    data = None
-    if args.data is not None:
-        with open(args.data, "rb") as f:
-            data = torch.frombuffer(bytearray(f.read()), dtype=torch.uint8)
+    documents = text_documents(args.data, split=args.pack) if args.data is not None else None
 
     torch.manual_seed(args.seed)  # every rank builds the same initial model
-    cfg = GPTConfig(n_layer=args.n_layer, n_head=args.n_head, n_kv_head=args.n_kv_head, n_embd=args.n_embd)
+    cfg = GPTConfig(n_layer=args.n_layer, n_head=args.n_head, n_kv_head=args.n_kv_head, n_embd=args.n_embd,
+                    window=args.window)
     model = GPT(cfg, sp_group=sp_group).to(device)
     params = list(model.parameters())
     optimizer = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
@@ -209,7 +241,7 @@ def main(argv=None):
     bar = tqdm(range(args.steps), disable=rank != 0, dynamic_ncols=True)
     for step in bar:
         t0 = time.perf_counter()
-        micro_batches = [load_micro_batch(step, m, args, data, dp, dp_rank, sp_rank, device)
+        micro_batches = [load_micro_batch(step, m, args, documents, dp, dp_rank, sp_rank, device)
                          for m in range(args.grad_accum)]
         # DESIGN.md step 7: divide by the valid tokens of the WHOLE global batch (all ranks, all micro-steps)
         valid = torch.tensor(float(sum((labels != -100).sum() for _, labels, _ in micro_batches)), device=device)
@@ -217,7 +249,7 @@ def main(argv=None):
         loss_sum, correct = torch.zeros((), device=device), torch.zeros((), device=device)
         for inputs, labels, position_ids in micro_batches:
             with autocast:
-                micro_loss_sum, micro_correct = model(inputs, position_ids, labels)
+                micro_loss_sum, micro_correct = model(inputs, position_ids, labels, packed=args.pack)
             (micro_loss_sum / valid.clamp(min=1)).backward()  # a rank or batch with no valid token adds 0
             loss_sum += micro_loss_sum.detach()
             correct += micro_correct

@@ -22,10 +22,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-try:  # optional: flash-attn's kernel takes the [B, S, H, D] layout as it is
-    from flash_attn import flash_attn_func
+try:  # optional: flash-attn's kernels take the [B, S, H, D] layout as it is
+    from flash_attn import flash_attn_func, flash_attn_varlen_func
 except ImportError:
-    flash_attn_func = None
+    flash_attn_func = flash_attn_varlen_func = None
 
 # what this process has sent to other ranks: {"forward"|"backward": {"calls": int, "bytes": int}}
 all_to_all_stats = {"forward": {"calls": 0, "bytes": 0}, "backward": {"calls": 0, "bytes": 0}}
@@ -80,13 +80,60 @@ def heads_to_seq(x, group):
     return _HeadsToSeq.apply(x, group)
 
 
-def causal_attention(q, k, v, **kwargs):
+def _sdpa(q, k, v, **kwargs):
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, S, H, D) -> (B, H, S, D), SDPA's layout
+    out = F.scaled_dot_product_attention(q, k, v, enable_gqa=k.shape[1] != q.shape[1], **kwargs)
+    return out.transpose(1, 2)  # (B, H, S, D) -> (B, S, H, D)
+
+
+def causal_attention(q, k, v):
     """Default kernel. q [B, S, Hq, D], k and v [B, S, Hkv, D] with Hq a multiple of Hkv -> [B, S, Hq, D]."""
     if flash_attn_func is not None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
-        return flash_attn_func(q, k, v, causal=True, **kwargs)
-    q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, S, H, D) -> (B, H, S, D), SDPA's layout
-    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1], **kwargs)
-    return out.transpose(1, 2)  # (B, H, S, D) -> (B, S, H, D)
+        return flash_attn_func(q, k, v, causal=True)
+    return _sdpa(q, k, v, is_causal=True)
+
+
+def local_attention(q, k, v, window):
+    """Sliding-window causal attention: token i sees tokens i-window+1 .. i. Same layout as causal_attention.
+    It is not dense causal attention, yet ulysses_attention runs it unchanged: the wrapper only moves heads."""
+    if flash_attn_func is not None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
+        return flash_attn_func(q, k, v, causal=True, window_size=(window - 1, 0))
+    i = torch.arange(q.shape[1], device=q.device)
+    distance = i[:, None] - i[None, :]  # (S, S): query index minus key index
+    return _sdpa(q, k, v, attn_mask=(distance >= 0) & (distance < window))
+
+
+def document_attention(q, k, v, position_ids, window=None):
+    """Causal (or sliding-window) attention inside each document of a packed sequence, never across documents.
+    position_ids [B, S] are the positions of the FULL sequence; a document starts wherever they are 0. On CUDA
+    with flash-attn one variable-length kernel call covers all documents; otherwise SDPA runs per document,
+    so memory grows with the longest document, never as S^2."""
+    B, S, Hq, D = q.shape
+    starts = position_ids.flatten() == 0
+    starts[::S] = True  # each row of the batch starts a document
+    cu_seqlens = torch.cat([starts.nonzero().flatten(), torch.tensor([B * S], device=q.device)])
+    q, k, v = (t.flatten(0, 1) for t in (q, k, v))  # (B*S, heads, D): the batch as one long token stream
+    if flash_attn_varlen_func is not None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
+        cu_seqlens = cu_seqlens.to(torch.int32)
+        longest = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+        out = flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, longest, longest, causal=True,
+                                     window_size=(window - 1, 0) if window else (-1, -1))
+    else:
+        bounds = cu_seqlens.tolist()
+        documents = [(q[None, s:e], k[None, s:e], v[None, s:e]) for s, e in zip(bounds[:-1], bounds[1:])]
+        out = torch.cat([(local_attention(*d, window) if window else causal_attention(*d))[0] for d in documents])
+    return out.view(B, S, Hq, D)
+
+
+def gather_sequence(x, group):
+    """[B, S/P] -> [B, S]: all-gather a small per-token tensor (position ids: B*S integers, never a mask) over
+    the SP group, so that a kernel that runs on the full sequence knows its document boundaries."""
+    P = 1 if group is None else dist.get_world_size(group)
+    if P == 1:
+        return x
+    parts = [torch.empty_like(x) for _ in range(P)]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    return torch.cat(parts, dim=1)
 
 
 def kv_heads_to_send(n_head, n_kv_head, sp):
