@@ -8,11 +8,15 @@ ranks meet. The model knows nothing else about SP: it gets the SP group to pass 
 position of each token (RoPE must rotate token i by i, not by its index inside the shard).
 """
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from tiled import tiled_lm_loss, tiled_mlp
 
 from ulysses import (causal_attention, document_attention, gather_sequence, local_attention,
                      ulysses_attention)
@@ -27,6 +31,10 @@ class GPTConfig:
     n_embd: int = 128
     window: int = 0  # > 0: sliding-window attention over the last `window` tokens; 0: full causal attention
     rope_base: float = 10000.0
+    # How to compute, not what: these change memory and time, never the result.
+    tiles: int = 1  # > 1: MLP and loss run over this many sequence tiles (tiled.py), never the full activation
+    checkpoint: bool = False  # keep only each block's input; recompute the block in backward
+    offload: bool = False  # with checkpoint, on CUDA: keep those block inputs in CPU memory until backward
 
     def __post_init__(self):
         if self.n_embd % self.n_head or (self.n_embd // self.n_head) % 2:
@@ -66,14 +74,20 @@ class Attention(nn.Module):
         return self.proj(y.reshape(B, S, -1))
 
 
+def mlp(x, fc_weight, proj_weight):
+    return F.linear(F.gelu(F.linear(x, fc_weight)), proj_weight)  # (B, S, h) -> (B, S, 4h) -> (B, S, h)
+
+
 class MLP(nn.Module):
     def __init__(self, cfg):
         super().__init__()
         self.fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd, bias=False)
         self.proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd, bias=False)
+        self.tiles = cfg.tiles
 
     def forward(self, x):
-        return self.proj(F.gelu(self.fc(x)))  # (B, S/P, h) -> (B, S/P, 4h) -> (B, S/P, h)
+        weights = (self.fc.weight, self.proj.weight)
+        return tiled_mlp(mlp, x, weights, self.tiles) if self.tiles > 1 else mlp(x, *weights)
 
 
 class Block(nn.Module):
@@ -95,13 +109,20 @@ class Head(nn.Module):
         super().__init__()
         self.norm = nn.RMSNorm(cfg.n_embd)
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        self.tiles = cfg.tiles
+
+    def logits(self, x, norm_weight, lm_head_weight):
+        return F.linear(F.rms_norm(x, x.shape[-1:], norm_weight, self.norm.eps), lm_head_weight).float()
 
     def forward(self, x, labels=None):
-        logits = self.lm_head(self.norm(x)).float()  # (B, S/P, vocab)
+        weights = (self.norm.weight, self.lm_head.weight)
         if labels is None:
-            return logits
+            return self.logits(x, *weights)  # (B, S/P, vocab)
+        if self.tiles > 1:  # never holds more than one tile's logits
+            return tiled_lm_loss(self.logits, x, labels, weights, self.tiles)
+        logits = self.logits(x, *weights)  # (B, S/P, vocab)
         loss_sum = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum")
-        correct = ((logits.argmax(-1) == labels) & (labels != -100)).sum()
+        correct = (logits.argmax(-1) == labels).sum()  # a label of -100 never matches
         return loss_sum, correct
 
 
@@ -133,6 +154,11 @@ class GPT(nn.Module):
             attn_fn, attn_kwargs = (local_attention, {"window": window}) if window else (causal_attention, {})
         x = self.embed(idx)  # (B, S/P, h)
         cos, sin = rope_cos_sin(position_ids, self.cfg.n_embd // self.cfg.n_head, self.cfg.rope_base)
+        offload = self.cfg.offload and x.is_cuda  # ALST's trick: block inputs wait for backward in CPU memory
         for block in self.blocks:
-            x = block(x, cos, sin, attn_fn, attn_kwargs)
+            if self.cfg.checkpoint:
+                with torch.autograd.graph.save_on_cpu(pin_memory=True) if offload else nullcontext():
+                    x = checkpoint(block, x, cos, sin, attn_fn, attn_kwargs, use_reentrant=False)
+            else:
+                x = block(x, cos, sin, attn_fn, attn_kwargs)
         return self.head(x, labels)

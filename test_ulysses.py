@@ -30,11 +30,10 @@ def _worker(rank, world_size, port, fn, args, result_dir):
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
-    try:
-        result = fn(rank, world_size, *args)
-        torch.save(result, os.path.join(result_dir, f"{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
+    result = fn(rank, world_size, *args)
+    torch.save(result, os.path.join(result_dir, f"{rank}.pt"))
+    dist.barrier()  # no rank tears the group down while another still talks to it
+    dist.destroy_process_group()
 
 
 def run_ranks(world_size, fn, *args):

@@ -1,0 +1,147 @@
+"""
+Sequence-tiled compute with recomputation (ALST): run a per-token layer over a long sequence without ever
+holding its full-sequence intermediate activations.
+
+An MLP on S tokens makes two [B, S, 4h] tensors and autograd keeps both for backward; a language-model head
+makes [B, S, vocab] float32 logits, and cross-entropy keeps a copy of the same size. With Ulysses, S is the
+local S/P tokens, but at long context these are still the largest tensors of the step. Every token is computed
+independently in these layers, so we cut the sequence into T tiles and run the layer one tile at a time:
+
+    x [B, S, h]    | tile 0 | tile 1 | tile 2 | tile 3 |      T = 4 tiles along dim 1
+    forward        each tile under no_grad -> its output is written out, its [B, S/T, 4h] is freed at once
+    between        only x is kept (it is alive anyway: it is the layer's input)
+    backward       tile i is recomputed with grad, differentiated, and freed before tile i+1 starts
+
+                      untiled                          tiled
+    kept for backward  x and two [B, S, 4h]             x alone
+    largest transient  [B, S, 4h]                       [B, S/T, 4h], one tile at a time
+    cost                                                one more forward of every tile (the recomputation)
+
+Parameters are handed in explicitly: they are inputs of the autograd Function, and fn gets them as arguments.
+Backward takes each tile's parameter gradient with torch.autograd.grad (which writes nothing into .grad), sums
+the T of them, and returns the sum. So autograd accumulates each parameter's gradient ONCE per backward, as
+without tiling, and a post-accumulate-grad hook (where a ZeRO-3 sharder reduce-scatters the gradient) fires
+once, not T times. (A hook added with register_hook, by contrast, also sees every tile's partial gradient.)
+
+Every rank must run the same number of tiles: fn may run collectives (a module hook that gathers parameters
+runs once per tile, in forward and again in backward), and a rank that makes one call fewer hangs the group.
+The tile count therefore depends only on n_tiles and S = x.shape[1], as min(n_tiles, S); the default is
+ceil(S / h). Every rank holds the same padded length S/P and the same hidden size h, so every rank computes
+the same count.
+
+This file depends on torch alone: copy it into your own project.
+"""
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+
+def _split(tensors, n_tiles):
+    """Split each [B, S, ...] tensor into n_tiles views along dim 1 (the first S % n_tiles are one token longer).
+    Returns one tuple per tile. The views are detached, so a tile's graph starts at the tile; forward and
+    backward split the same way, so their tiles line up."""
+    return list(zip(*(t.detach().tensor_split(n_tiles, dim=1) for t in tensors)))
+
+
+def _as_tuple(outputs):
+    return outputs if isinstance(outputs, tuple) else (outputs,)
+
+
+class _SequenceTiled(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, fn, n_tiles, n_inputs, *inputs_and_params):
+        inputs, params = inputs_and_params[:n_inputs], inputs_and_params[n_inputs:]
+        ctx.fn, ctx.n_tiles, ctx.params = fn, n_tiles, params
+        ctx.save_for_backward(*inputs)  # the only tensors kept for backward
+        with torch.no_grad():  # nothing computed inside a tile outlives the tile
+            tile_outputs = [fn(*tile, *params) for tile in _split(inputs, n_tiles)]
+        outputs = tuple(torch.cat(pieces, dim=1) for pieces in zip(*map(_as_tuple, tile_outputs)))  # each (B, S, ...)
+        ctx.mark_non_differentiable(*(out for out in outputs if not out.is_floating_point()))
+        return outputs if isinstance(tile_outputs[0], tuple) else outputs[0]
+
+    @staticmethod
+    def backward(ctx, *grad_outputs):
+        inputs, params, n_tiles = ctx.saved_tensors, ctx.params, ctx.n_tiles
+        needs_grad = ctx.needs_input_grad[3:]  # one flag per input, then one per parameter
+        wanted = [j for j, need in enumerate(needs_grad) if need]
+        input_grads = [torch.zeros_like(x) if need else None for x, need in zip(inputs, needs_grad)]
+        param_grads = [None] * len(params)
+        for i, (tile, tile_grad_outputs) in enumerate(zip(_split(inputs, n_tiles), _split(grad_outputs, n_tiles))):
+            # Step 1: recompute the tile with grad; its graph starts at the tile's (detached) inputs.
+            tile = [x.requires_grad_(need) for x, need in zip(tile, needs_grad)]
+            with torch.enable_grad():
+                outputs = _as_tuple(ctx.fn(*tile, *params))
+            # Step 2: differentiate it w.r.t. the tile's inputs and the parameters that need a gradient.
+            pairs = [(out, grad) for out, grad in zip(outputs, tile_grad_outputs) if out.requires_grad]
+            tensors = [*tile, *params]
+            grads = torch.autograd.grad([out for out, _ in pairs], [tensors[j] for j in wanted],
+                                        [grad for _, grad in pairs], allow_unused=True)
+            # Step 3: an input's tile gradient fills the tile's slice; a parameter's gradients add up over the
+            # tiles, in float32 so that bf16 parameters are not rounded once per tile.
+            for j, grad in zip(wanted, grads):
+                if grad is None:
+                    continue
+                if j < len(inputs):
+                    input_grads[j].tensor_split(n_tiles, dim=1)[i].copy_(grad)  # (B, s, ...) into (B, S, ...)
+                else:
+                    k = j - len(inputs)
+                    param_grads[k] = grad.float() if param_grads[k] is None else param_grads[k].add_(grad)
+        unused = [k for k, need in enumerate(needs_grad[len(inputs):]) if need and param_grads[k] is None]
+        if unused:
+            raise ValueError(f"fn's output does not depend on params {unused}: fn must compute with the params it "
+                             f"is given (its last arguments), not with tensors it finds elsewhere")
+        param_grads = [None if g is None else g.to(p.dtype) for g, p in zip(param_grads, params)]
+        return None, None, None, *input_grads, *param_grads
+
+
+def sequence_tiled_compute(fn, inputs, params, n_tiles):
+    """Run fn over n_tiles tiles of the sequence and keep none of its activations for backward.
+
+    inputs: tensors [B, S, ...], all cut along dim 1 (the sequence). fn(*input_tiles, *params) must treat every
+    token on its own and return a tensor [B, s, ...] or a tuple of them, s being the tile's length; the tiles'
+    outputs are concatenated along dim 1 into the structure fn returns. Outputs that are not floating point
+    (masks, counts) carry no gradient. Tiles need not divide S: their lengths differ by at most one.
+
+    params: the tensors that need a gradient besides the inputs, handed to fn as its last arguments. fn must
+    compute with these, not with module attributes it reads itself: a ZeRO-3 sharder or a checkpoint's
+    recomputation may have put other tensor objects there by the time backward runs (ValueError if so).
+    """
+    params = tuple(params)
+    n_tiles = max(1, min(n_tiles, inputs[0].shape[1]))  # same S on every rank -> same count on every rank
+    return _SequenceTiled.apply(fn, n_tiles, len(inputs), *inputs, *params)
+
+
+def default_tile_count(x):
+    """ALST's choice for the MLP: tiles of about h tokens (x [B, S, h]), so one tile's intermediate [B, h, 4h]
+    is B times the size of the fc weight [4h, h], at any sequence length."""
+    return math.ceil(x.shape[1] / x.shape[-1])
+
+
+def tiled_mlp(mlp_fn, x, params, n_tiles=None):
+    """mlp_fn(x_tile, *params) over x [B, S, h] tile by tile -> [B, S, h], e.g.
+    tiled_mlp(lambda t, fc, proj: F.linear(F.gelu(F.linear(t, fc)), proj), x, (fc_weight, proj_weight)).
+    Keeps x for backward instead of the MLP's [B, S, 4h] intermediates."""
+    return sequence_tiled_compute(mlp_fn, (x,), params, n_tiles or default_tile_count(x))
+
+
+def tiled_lm_loss(head_fn, x, labels, params, n_tiles=None):
+    """Cross-entropy of the language-model head without the full [B, S, vocab] logits.
+
+    head_fn(x_tile, *params) -> logits [B, s, vocab] (e.g. final norm then lm_head, params their two weights).
+    x [B, S, h], labels [B, S] with -100 for tokens without a label. Returns (loss_sum, correct): the sum of
+    float32 token cross-entropies and the number of tokens whose argmax is the label, both over the labelled
+    tokens only (a tile, or a rank, without labels adds 0). Kept for backward: x and labels, nothing of size
+    vocab; the largest transients are one tile's float32 logits and their gradient, [B, S/T, vocab] each.
+    The default tile count is the MLP's rule, which bounds a tile's logits by B times the lm_head weight.
+    """
+    def loss_and_correct(x_tile, labels_tile, *params):  # (B, s, h), (B, s)
+        logits = head_fn(x_tile, *params).float()  # (B, s, vocab)
+        loss = F.cross_entropy(logits.flatten(0, 1), labels_tile.flatten(), ignore_index=-100, reduction="none")
+        correct = logits.argmax(-1) == labels_tile  # (B, s); a label of -100 never matches
+        return loss.view_as(labels_tile), correct  # (B, s), (B, s)
+
+    token_loss, correct = sequence_tiled_compute(loss_and_correct, (x, labels), params,
+                                                 n_tiles or default_tile_count(x))  # (B, S), (B, S)
+    return token_loss.sum(), correct.sum()

@@ -1,0 +1,253 @@
+"""
+ZeRO-3: each of the N ranks of a process group owns 1/N of the model state (parameters, gradients and AdamW
+state), and the full parameters of a unit (the embedding, one block, the head) exist only while it computes.
+
+Each unit's parameters are flattened into one float32 vector, padded with zeros to a multiple of N and cut
+into N equal shards. Rank r keeps shard r as an nn.Parameter: the optimizer sees only these shards, so its
+state is 1/N of the model's too. Here N = 2:
+
+                     embed          block 0        block 1        head
+    rank 0 owns     [#####.....]   [#####.....]   [#####.....]   [#####.....]
+    rank 1 owns     [.....#####]   [.....#####]   [.....#####]   [.....#####]
+
+    forward    all-gather embed | embed | free
+                        all-gather block 0 | block 0 | free
+                                    all-gather block 1 | block 1 | free  ...
+    backward   all-gather head | d head | reduce-scatter grad of head (SUM) into shard.grad | free
+                        all-gather block 1 | d block 1 | reduce-scatter | free
+                                    all-gather block 0 | d block 0 | reduce-scatter | free  ...
+
+The all-gathers overlap: the one for the unit that runs next (forward: i+1, backward: i-1) starts as soon as
+unit i starts, and runs while unit i computes.
+
+Per forward and backward every parameter is all-gathered twice and its gradient reduce-scattered once:
+3*(N-1)/N of the model sent per rank, 1.5x the all-reduce of plain data parallelism, for model state cut to 1/N.
+Besides its shards a rank holds the gathered copies of at most two units (the one computing, the one prefetched)
+and, during a unit's backward, that unit's full gradient.
+
+How: the module's parameters become views into one flat tensor `full` per unit, a leaf that requires grad.
+Freeing resizes its storage to 0 bytes; gathering resizes it back and all-gathers into it, so the views, those
+that autograd saved for backward included, see the data again without being recreated (the trick of FSDP1).
+Autograd sums the views' gradients into `full.grad`; a post-accumulate-grad hook on `full` fires once per backward,
+when the unit's gradient is complete, and reduce-scatters it. Gradients are SUMMED over ranks, never averaged:
+the loss is already divided by the global token count (DESIGN.md, step 8).
+"""
+
+from collections import namedtuple
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+# torch 2.13 names the two collectives of ZeRO *_single and deprecates the old names; older torch (2.11) has only
+# the old ones. NCCL implements both; gloo too, its reduce-scatter being an all-reduce of which each rank keeps
+# its own slice (twice the traffic of a real one, fine for CPU tests).
+if hasattr(dist, "all_gather_single"):
+    all_gather, reduce_scatter = dist.all_gather_single, dist.reduce_scatter_single
+else:
+    all_gather, reduce_scatter = dist.all_gather_into_tensor, dist.reduce_scatter_tensor
+
+# where one parameter of a unit lives: module.<attr> in the model, named <name> in its state dict
+Slot = namedtuple("Slot", "module attr name shape")
+
+
+def _grad_outputs(output):
+    """The tensors of a module's output (a tensor or a tuple/list of them) that gradients will flow back through."""
+    outputs = output if isinstance(output, (tuple, list)) else (output,)
+    return [t for t in outputs if isinstance(t, torch.Tensor) and t.requires_grad]
+
+
+def _nbytes(tensors):
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+class ShardedUnit:
+    """One unit: its parameters as one flat vector, this rank's float32 shard of it and the gathered copy `full`."""
+
+    def __init__(self, module, prefix, group, compute_dtype):
+        self.module, self.group = module, group
+        self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
+        params = list(module.named_parameters())
+        if not params:
+            raise ValueError(f"unit {prefix or type(module).__name__} has no parameters; leave it out of the units")
+        self.slots = [Slot(module.get_submodule(name.rpartition(".")[0]), name.rpartition(".")[2],
+                           f"{prefix}.{name}" if prefix else name, p.shape) for name, p in params]
+        self.numel = sum(p.numel() for _, p in params)
+        padded = -(-self.numel // self.world) * self.world  # the next multiple of N
+        self.sizes = [p.numel() for _, p in params] + [padded - self.numel]  # how `full` splits into parameters
+        self.device = params[0][1].device
+        self.shard = nn.Parameter(self.my_shard_of(p for _, p in params))  # (padded/N,) float32 master copy
+        for slot in self.slots:
+            delattr(slot.module, slot.attr)  # the module keeps no parameter of its own from now on
+        self.full = torch.empty(padded, dtype=compute_dtype or torch.float32, device=self.device, requires_grad=True)
+        # Collectives write into `full.data`, an alias autograd does not track: writing into `full` itself would be
+        # an in-place change of the tensor whose views autograd saved for backward, and autograd would refuse them.
+        self.full_data = self.full.data
+        self.handle, self.send = None, None  # the all-gather in flight and the shard copy it reads from
+        self.in_backward = False
+        self.free()
+
+    def my_shard_of(self, tensors):
+        """This rank's piece of the unit's parameters, given whole: flattened, padded with zeros and cut."""
+        flat = torch.cat([t.detach().to(self.device, torch.float32).flatten() for t in tensors]
+                         + [torch.zeros(self.sizes[-1], device=self.device)])  # (padded,)
+        return flat.view(self.world, -1)[self.rank].clone()  # (padded/N,)
+
+    def gather(self, async_op=False):
+        """All-gather the shards into `full`. A no-op when it is gathered already; waits unless async_op."""
+        storage = self.full_data.untyped_storage()
+        if self.handle is None and storage.size() == 0:
+            storage.resize_(self.full_data.numel() * self.full_data.element_size())
+            self.send = self.shard.detach().to(self.full.dtype)  # (padded/N,); must live until the gather is done
+            self.handle = all_gather(self.full_data, self.send, group=self.group, async_op=True)  # -> (padded,)
+        if self.handle is not None and not async_op:
+            self.handle.wait()
+            self.handle, self.send = None, None
+
+    def free(self):
+        self.full_data.untyped_storage().resize_(0)  # the views stay, over 0 bytes, until the next gather
+
+    def set_views(self):
+        """Point the module's parameters at their pieces of `full`. One split, so that backward builds the
+        gradient of `full` in one buffer; the last piece is the padding, whose gradient stays zero."""
+        for slot, piece in zip(self.slots, self.full.split(self.sizes)):
+            setattr(slot.module, slot.attr, piece.view(slot.shape))
+
+    def reduce_grad(self):
+        """Sum this unit's gradient over the ranks; each rank adds its slice to its shard.grad."""
+        grad = self.full.grad.float()  # (padded,); float32, as summing N low-precision gradients loses bits
+        self.full.grad = None
+        reduced = torch.empty_like(self.shard, requires_grad=False)  # (padded/N,)
+        reduce_scatter(reduced, grad, op=dist.ReduceOp.SUM, group=self.group)
+        if self.shard.grad is None:
+            self.shard.grad = reduced
+        else:
+            self.shard.grad += reduced  # gradient accumulation over micro-steps
+
+
+class ZeRO3:
+    """Shard `model` over `group` (every rank of it, e.g. the flattened DP x SP group) unit by unit.
+
+    units: submodules in forward order that together hold every parameter exactly once (GPT.units()).
+    compute_dtype: dtype of the gathered parameters forward and backward run with (e.g. torch.bfloat16);
+    the shards, their gradients and hence the optimizer stay float32. Call the model as before; give the
+    optimizer `zero.parameters()`. The group must be initialized; a group of one rank works too."""
+
+    def __init__(self, model, units, group=None, compute_dtype=None):
+        owned = [id(p) for unit in units for _, p in unit.named_parameters(remove_duplicate=False)]
+        unowned = [name for name, p in model.named_parameters() if id(p) not in set(owned)]
+        if unowned or len(owned) != len(set(owned)):
+            raise ValueError(f"every parameter must belong to exactly one unit; in none: {unowned}, "
+                             f"in more than one place: {len(owned) - len(set(owned))} (tied weights are not supported)")
+        self.model, self.group = model, group
+        prefixes = {module: name for name, module in model.named_modules()}
+        self.units = [ShardedUnit(unit, prefixes[unit], group, compute_dtype) for unit in units]
+        for i, unit in enumerate(self.units):
+            unit.module.register_forward_pre_hook(lambda module, args, i=i: self._before_forward(i))
+            unit.module.register_forward_hook(lambda module, args, output, i=i: self._after_forward(i, output))
+            unit.full.register_post_accumulate_grad_hook(lambda full, i=i: self._after_backward(i))
+
+    # Prefetch: the next unit's all-gather is started before the current unit computes and waited for only
+    # when that unit runs. With NCCL it runs on its own stream while the GPU computes; with gloo on a background
+    # thread while the CPU computes. Either way its time hides behind compute instead of adding to it.
+    def _before_forward(self, i):
+        unit = self.units[i]
+        unit.gather()
+        unit.set_views()
+        if not unit.in_backward and i + 1 < len(self.units):  # in backward this forward is a recomputation
+            self.units[i + 1].gather(async_op=True)
+
+    def _after_forward(self, i, output):
+        unit = self.units[i]
+        if unit.in_backward:
+            return  # activation checkpointing recomputed this unit inside its backward, which still needs it
+        unit.free()
+        for t in _grad_outputs(output):  # fires when the gradient of the output is ready: the unit's backward is next
+            t.register_hook(lambda grad, i=i: self._before_backward(i))
+
+    def _before_backward(self, i):
+        self.units[i].in_backward = True
+        self.units[i].gather()
+        if i > 0:  # backward runs the units in reverse order
+            self.units[i - 1].gather(async_op=True)
+
+    def _after_backward(self, i):
+        unit = self.units[i]
+        unit.reduce_grad()
+        unit.free()
+        unit.in_backward = False
+
+    def parameters(self):
+        """This rank's shards, one per unit: the float32 tensors the optimizer updates."""
+        return [unit.shard for unit in self.units]
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm):
+        """Scale the gradients so that the L2 norm of the whole model's gradient is at most max_norm and return
+        that norm before clipping, like torch.nn.utils.clip_grad_norm_. Each rank sums the squares of its shard
+        gradients (padding holds zero gradient) and one all-reduce of that number adds up the ranks."""
+        grads = [shard.grad for shard in self.parameters() if shard.grad is not None]
+        sum_of_squares = torch.zeros((), device=self.units[0].shard.device)
+        for grad in grads:
+            sum_of_squares += grad.pow(2).sum()
+        dist.all_reduce(sum_of_squares, group=self.group)
+        norm = sum_of_squares.sqrt()
+        scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)  # torch.nn.utils.clip_grad_norm_'s formula
+        for grad in grads:
+            grad.mul_(scale)
+        return norm
+
+    @torch.no_grad()
+    def state_dict(self):
+        """The whole model's state on CPU with its original names and shapes, on every rank (all-gathers each
+        unit once): `GPT(cfg).load_state_dict(zero.state_dict())` works in a single process."""
+        state = {}
+        for unit in self.units:
+            full = torch.empty(unit.shard.numel() * unit.world, device=unit.shard.device)  # (padded,) fp32
+            all_gather(full, unit.shard.detach(), group=self.group)
+            for slot, piece in zip(unit.slots, full.split(unit.sizes)):
+                state[slot.name] = piece.view(slot.shape).to("cpu", copy=True)
+        state.update({name: buffer.cpu() for name, buffer in self.model.state_dict().items()})  # buffers only
+        return state
+
+    @torch.no_grad()
+    def load_state_dict(self, state_dict):
+        """Load a whole-model state dict (from state_dict() with any N, or from a plain model) and keep this
+        rank's shards. The shards are updated in place, so an optimizer built on them stays valid."""
+        slots = [slot for unit in self.units for slot in unit.slots]
+        missing = [slot.name for slot in slots if slot.name not in state_dict]
+        wrong = [f"{slot.name}: {tuple(state_dict[slot.name].shape)} != {tuple(slot.shape)}"
+                 for slot in slots if slot.name in state_dict and state_dict[slot.name].shape != slot.shape]
+        if missing or wrong:
+            raise ValueError(f"state dict does not fit the model; missing: {missing}, wrong shapes: {wrong}")
+        names = {slot.name for slot in slots}
+        self.model.load_state_dict({k: v for k, v in state_dict.items() if k not in names})  # buffers; no extra keys
+        for unit in self.units:
+            unit.shard.copy_(unit.my_shard_of(state_dict[slot.name] for slot in unit.slots))
+
+    def memory_bytes(self, optimizer=None):
+        """Model-state bytes on this rank: params and grads are the shards, 1/N of `unsharded_params` up to
+        padding (< N elements per unit); optimizer (if given) is its state for the shards (AdamW: 2x params,
+        plus a 4-byte step count per shard)."""
+        shards = self.parameters()
+        report = {"params": _nbytes(shards),
+                  "grads": _nbytes(shard.grad for shard in shards if shard.grad is not None),
+                  "unsharded_params": 4 * sum(unit.numel for unit in self.units)}
+        if optimizer is not None:
+            report["optimizer"] = _nbytes(t for shard in shards for t in optimizer.state.get(shard, {}).values()
+                                          if isinstance(t, torch.Tensor))
+        return report
+
+
+def fsdp2_shard(model, units, group, compute_dtype=None):
+    """The same sharding done by PyTorch's FSDP2, for comparison: one FSDP unit per unit, then the root, with
+    gradients summed over the ranks like ZeRO3's. Give the optimizer model.parameters() (DTensor shards)."""
+    mesh = DeviceMesh.from_group(group or dist.group.WORLD, next(model.parameters()).device.type)
+    policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+    for module in [*units, model]:  # the root last: it picks up what no unit holds (nothing, here)
+        fully_shard(module, mesh=mesh, mp_policy=policy)
+        module.set_gradient_divide_factor(1.0)  # sum, do not average over ranks
+        module.set_force_sum_reduction_for_comms(True)  # as a plain SUM collective: gloo has no PREMUL_SUM
+    return model
