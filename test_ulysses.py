@@ -199,27 +199,44 @@ def test_gpt_with_sp_matches_one_device(world_size):
 # ---------------------------------------------------------------------------------------------------------------
 # train.py: the same global batch gives the same training, whatever the layout
 
-TRAIN_ARGS = ["--steps", "8", "--n-layer", "2", "--n-embd", "32", "--lr", "1e-2"]
-LAYOUTS = {  # global batch 8 sequences in each: dp * batch-size * grad-accum
-    "sp1": (1, ["--sp", "1", "--batch-size", "8"]),
-    "sp4": (4, ["--sp", "4", "--batch-size", "8"]),
-    "dp2xsp2": (4, ["--sp", "2", "--batch-size", "2", "--grad-accum", "2"]),
+TRAIN_ARGS = ["--steps", "8", "--n-layer", "2", "--n-embd", "32", "--lr", "3e-3", "--grad-clip", "0.2"]
+LAYOUTS = {  # each with a global batch of 8 sequences: dp * batch-size * grad-accum
+    "sp4": ["--sp", "4", "--batch-size", "8"],  # --zero 3 is the default with 4 ranks
+    "dp2xsp2 accum": ["--sp", "2", "--batch-size", "2", "--grad-accum", "2"],
+    "dp2xsp2 zero0": ["--sp", "2", "--batch-size", "4", "--zero", "0"],
+    "dp2xsp2 fsdp2": ["--sp", "2", "--batch-size", "4", "--zero", "fsdp2"],
+    "dp2xsp2 tiles checkpoint": ["--sp", "2", "--batch-size", "4", "--tiles", "3", "--checkpoint"],
 }
 
 
-def _train_rank(rank, world_size, argv_list):
+def _train_rank(rank, world_size, runs):
+    """Run train.main once per (argv, out_dir); return each run's metrics and its final model (if saved)."""
     import train
-    return [[r["loss"] for r in train.main(argv)] for argv in argv_list]
+    results = []
+    for argv, out_dir in runs:
+        history = train.main(argv + (["--out-dir", out_dir] if out_dir else []))
+        final = train.newest_checkpoint(out_dir) if out_dir else None
+        results.append((history, torch.load(os.path.join(final, "model.pt")) if final else None))
+    return results
 
 
 @pytest.mark.parametrize("extra", [["--seq-len", "64"], ["--seq-len", "101", "--n-kv-head", "2"]], ids=["seq64", "seq101-kv2"])
-def test_training_is_the_same_for_every_layout(extra):
-    losses = {"sp1": run_ranks(1, _train_rank, [LAYOUTS["sp1"][1] + TRAIN_ARGS + extra])[0][0]}
-    four = run_ranks(4, _train_rank, [LAYOUTS[name][1] + TRAIN_ARGS + extra for name in ("sp4", "dp2xsp2")])
-    losses["sp4"], losses["dp2xsp2"] = four[0]
-    assert all(r == four[0] for r in four)  # every rank reports the same global loss
-    for name in ("sp4", "dp2xsp2"):
-        torch.testing.assert_close(losses[name], losses["sp1"], rtol=0, atol=2e-5, msg=lambda m: f"{name}: {m}")
+def test_training_is_the_same_for_every_layout(extra, tmp_path):
+    """Same global batch, same training: sp, dp x sp, gradient accumulation, ZeRO-3, plain all-reduce, FSDP2,
+    tiles and activation checkpointing all give the one-process losses, gradient norms and final weights."""
+    out = lambda name: None if "fsdp2" in name else str(tmp_path / name.replace(" ", "_"))
+    [(reference, reference_model)] = run_ranks(1, _train_rank, [(["--sp", "1", "--batch-size", "8"] + TRAIN_ARGS + extra, out("one"))])[0]
+    per_rank = run_ranks(4, _train_rank, [(argv + TRAIN_ARGS + extra, out(name)) for name, argv in LAYOUTS.items()])
+    losses = lambda rank_results: [[r["loss"] for r in history] for history, _ in rank_results]
+    assert all(losses(rank_results) == losses(per_rank[0]) for rank_results in per_rank)  # one global loss
+    assert sum(r["grad_norm"] > 0.2 for r in reference) >= 2  # clipping really happens
+    for name, (history, model) in zip(LAYOUTS, per_rank[0]):
+        for key in ("loss", "grad_norm", "accuracy"):
+            torch.testing.assert_close([r[key] for r in history], [r[key] for r in reference], rtol=0, atol=1e-5,
+                                       msg=lambda m: f"{name}, {key}: {m}")
+        if model is not None:
+            for param, tensor in reference_model.items():
+                torch.testing.assert_close(model[param], tensor, rtol=0, atol=1e-5, msg=lambda m: f"{name}, {param}: {m}")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -234,9 +251,14 @@ def test_training_is_the_same_for_every_layout(extra):
     (4, ["--seq-len", "3"], r"--seq-len 3 is smaller than --sp 4"),
     (1, ["--data", "/no/such/file.txt"], r"--data /no/such/file.txt: no such file"),
     (1, ["--batch-size", "0"], r"--batch-size 0 must be at least 1"),
+    (1, ["--tiles", "0"], r"--tiles 0 must be at least 1"),
+    (1, ["--data", "{empty}"], r"--data .*empty.txt holds no text"),
+    (1, ["--save-every", "5"], r"--resume and --save-every need --out-dir"),
 ])
-def test_bad_input_is_refused(monkeypatch, world_size, argv, message):
+def test_bad_input_is_refused(monkeypatch, tmp_path, world_size, argv, message):
     import train
+    (tmp_path / "empty.txt").write_text("")
+    argv = [a.format(empty=tmp_path / "empty.txt") for a in argv]
     monkeypatch.setenv("WORLD_SIZE", str(world_size))
     with pytest.raises(SystemExit, match=message):
         train.main(argv)
@@ -330,3 +352,258 @@ def test_packed_batch_equals_documents_alone():
         alone = model(inputs[:1, offset:offset + n], torch.arange(n)[None])  # (1, n, vocab), plain causal
         torch.testing.assert_close(packed_logits[:1, offset:offset + n], alone, rtol=1e-5, atol=1e-5)
         offset += n
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# zero3.py: each rank holds its shards and nothing more; the consolidated state loads anywhere
+
+ZERO_CFG = GPTConfig(vocab_size=255, n_layer=2, n_head=3, n_kv_head=3, n_embd=30)  # on 4 ranks a unit needs padding
+
+
+def _zero_batch():
+    g = torch.Generator().manual_seed(5)
+    idx, labels = torch.randint(0, 255, (8, 16), generator=g), torch.randint(0, 255, (8, 16), generator=g)
+    labels[torch.rand(8, 16, generator=g) < 0.2] = -100
+    return idx, torch.arange(16).expand(8, 16), labels
+
+
+def _zero3_rank(rank, world_size):
+    import zero3
+    torch.manual_seed(0)
+    reference = GPT(ZERO_CFG)
+    idx, position_ids, labels = _zero_batch()
+    reference(idx, position_ids, labels)[0].backward()  # the whole batch in one process
+    torch.manual_seed(0)
+    model = GPT(ZERO_CFG)
+    zero = zero3.ZeRO3(model, model.units(), group=dist.group.WORLD)
+    assert list(model.parameters()) == []  # the model keeps no full parameter of its own
+    gathered = []  # after every gather: how many units hold their full parameters
+    for unit in zero.units:
+        def counting_gather(async_op=False, gather=unit.gather):
+            gather(async_op)
+            gathered.append(sum(u.full.untyped_storage().size() > 0 for u in zero.units))
+        unit.gather = counting_gather
+    rows = slice(rank * 8 // world_size, (rank + 1) * 8 // world_size)  # data parallel: my rows of the batch
+    model(idx[rows], position_ids[rows], labels[rows])[0].backward()
+    assert max(gathered) == 2  # the unit computing and the one prefetched, never more
+    for unit, reference_unit in zip(zero.units, reference.units()):
+        params = list(reference_unit.parameters())
+        padding = -sum(p.numel() for p in params) % world_size
+        flat = torch.cat([p.detach().flatten() for p in params] + [torch.zeros(padding)]).view(world_size, -1)
+        flat_grad = torch.cat([p.grad.flatten() for p in params] + [torch.zeros(padding)]).view(world_size, -1)
+        assert torch.equal(unit.shard.detach(), flat[rank])  # exactly my slice, nothing more
+        torch.testing.assert_close(unit.shard.grad, flat_grad[rank], rtol=1e-5, atol=1e-6)  # summed, not averaged
+        assert unit.full.untyped_storage().size() == 0 and unit.full.grad is None  # gathered copy freed
+    optimizer = torch.optim.AdamW(zero.parameters())
+    optimizer.step()
+    assert all(state["exp_avg"].shape == shard.shape for shard, state in optimizer.state.items())
+    assert set(optimizer.state) == set(zero.parameters())
+    state = zero.state_dict()
+    with torch.no_grad():
+        logits = model(idx, position_ids)
+    return state, logits
+
+
+def _zero3_load_rank(rank, world_size, state):
+    import zero3
+    torch.manual_seed(123)  # other weights, all overwritten by the load
+    model = GPT(ZERO_CFG)
+    zero = zero3.ZeRO3(model, model.units(), group=dist.group.WORLD)
+    zero.load_state_dict(state)
+    roundtrip = zero.state_dict()
+    assert roundtrip.keys() == state.keys() and all(torch.equal(roundtrip[k], state[k]) for k in state)
+    with torch.no_grad():
+        return model(*_zero_batch()[:2])
+
+
+def test_zero3_shards_and_consolidated_state():
+    four = run_ranks(4, _zero3_rank)
+    state, logits = four[0]
+    plain = GPT(ZERO_CFG)
+    plain.load_state_dict(state)  # saved on 4 ranks, loaded in one process
+    expected = plain(*_zero_batch()[:2])
+    for _, rank_logits in four:
+        torch.testing.assert_close(rank_logits, expected, rtol=0, atol=1e-5)
+    for rank_logits in run_ranks(2, _zero3_load_rank, state):  # re-sharded for 2 ranks
+        torch.testing.assert_close(rank_logits, expected, rtol=0, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# tiled.py: the same numbers without the full activations
+
+def _labels_with_gaps(shape):
+    labels = torch.randint(0, 64, shape, generator=torch.Generator().manual_seed(3))
+    labels[:, 4:7] = -100  # with 13 tokens in 4 tiles, tile 1 (tokens 4-6) has no label at all
+    labels[0, 0] = -100
+    return labels
+
+
+@pytest.mark.parametrize("S, n_tiles", [(13, 4), (13, 13), (3, 8)])
+def test_tiled_mlp_matches_untiled(S, n_tiles):
+    import gpt
+    import tiled
+    torch.manual_seed(0)
+    x = torch.randn(2, S, 16, requires_grad=True)
+    weights = [torch.randn(64, 16, requires_grad=True), torch.randn(16, 64, requires_grad=True)]
+    grad_out = torch.randn(2, S, 16)
+    results = []
+    for run in (lambda: gpt.mlp(x, *weights), lambda: tiled.tiled_mlp(gpt.mlp, x, weights, n_tiles)):
+        out = run()
+        out.backward(grad_out)
+        results.append([out.detach()] + [t.grad.clone() for t in (x, *weights)])
+        for t in (x, *weights):
+            t.grad = None
+    for got, want in zip(*reversed(results)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("all_ignored", [False, True])
+def test_tiled_loss_matches_untiled(all_ignored):
+    torch.manual_seed(0)
+    head = GPT(GPTConfig(vocab_size=64, n_embd=16, n_head=2, n_kv_head=2)).head
+    torch.nn.init.normal_(head.norm.weight, 1.0, 0.2)  # a norm weight of ones would hide a wrong norm gradient
+    x = torch.randn(2, 13, 16, requires_grad=True)
+    labels = torch.full((2, 13), -100) if all_ignored else _labels_with_gaps((2, 13))
+    results = []
+    for tiles in (1, 4):
+        head.tiles = tiles
+        loss_sum, correct = head(x, labels)
+        loss_sum.backward()
+        results.append([loss_sum.detach(), correct, x.grad.clone(), head.norm.weight.grad.clone(),
+                        head.lm_head.weight.grad.clone()])
+        x.grad, head.norm.weight.grad, head.lm_head.weight.grad = None, None, None
+    for got, want in zip(*reversed(results)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    if all_ignored:
+        assert results[1][0].item() == 0 and all(torch.all(g == 0) for g in results[1][2:])  # 0, never NaN
+
+
+def test_tiled_keeps_only_its_input_and_sends_each_gradient_once():
+    """A ZeRO-3 post-accumulate-grad hook must fire once per backward, not once per tile."""
+    import gpt
+    import tiled
+    x = torch.randn(2, 13, 16, requires_grad=True)
+    weights = [torch.randn(64, 16, requires_grad=True), torch.randn(16, 64, requires_grad=True)]
+    arrivals = [0, 0]
+    for i, w in enumerate(weights):
+        w.register_post_accumulate_grad_hook(lambda w, i=i: arrivals.__setitem__(i, arrivals[i] + 1))
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        out = tiled.tiled_mlp(gpt.mlp, x, weights, 4)
+    assert len(saved) == 1 and saved[0] is x  # not the [B, S, 4h] hidden layer
+    out.sum().backward()
+    assert arrivals == [1, 1]
+
+
+def test_gpt_tiled_and_checkpointed_equals_plain():
+    idx, position_ids, labels = _zero_batch()
+    labels[:, 4:8] = -100
+    results = []
+    for tiles, checkpointed in ((1, False), (3, False), (3, True), (1, True)):
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(n_layer=2, n_head=4, n_kv_head=2, n_embd=32, tiles=tiles, checkpoint=checkpointed))
+        loss_sum, correct = model(idx, position_ids, labels)
+        loss_sum.backward()
+        results.append((loss_sum.detach(), correct, {n: p.grad for n, p in model.named_parameters()}))
+    for loss_sum, correct, grads in results[1:]:
+        torch.testing.assert_close(loss_sum, results[0][0], rtol=1e-5, atol=1e-5)
+        assert correct == results[0][1]
+        for name, grad in grads.items():
+            torch.testing.assert_close(grad, results[0][2][name], rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# checkpoints: resume exactly, on the same or another layout; refuse what is broken
+
+RESUME_ARGS = ["--steps", "6", "--save-every", "3", "--n-layer", "2", "--n-embd", "32", "--seq-len", "32"]
+
+
+def _straight_then_resumed(out_dir, argv, rank):
+    """6 steps in one go, then the same run resumed from its step-3 checkpoint in a fresh directory."""
+    import shutil
+    import train
+    straight = train.main(argv + RESUME_ARGS + ["--out-dir", f"{out_dir}/straight"])
+    if rank == 0:
+        shutil.copytree(f"{out_dir}/straight/step_000003", f"{out_dir}/resumed/step_000003")
+    if dist.is_initialized():
+        dist.barrier()
+    resumed = train.main(argv + RESUME_ARGS + ["--out-dir", f"{out_dir}/resumed", "--resume"])
+    models = [torch.load(f"{out_dir}/{run}/step_000006/model.pt") for run in ("straight", "resumed")]
+    return straight, resumed, models
+
+
+def _resume_rank(rank, world_size, out_dir):
+    return _straight_then_resumed(out_dir, ["--sp", "2", "--batch-size", "4"], rank)
+
+
+def _assert_bit_exact(straight, resumed, models):
+    assert [r["step"] for r in resumed] == [4, 5, 6]
+    assert [r["loss"] for r in resumed] == [r["loss"] for r in straight[3:]]  # bit for bit
+    assert all(torch.equal(models[0][name], models[1][name]) for name in models[0])
+
+
+def test_resume_is_bit_exact_and_carries_across_layouts(tmp_path, capsys):
+    import shutil
+    import train
+    four_ranks = run_ranks(4, _resume_rank, str(tmp_path / "dp2xsp2"))[0]
+    _assert_bit_exact(*four_ranks)  # ZeRO-3 shards, AdamW shards and all
+    _assert_bit_exact(*_straight_then_resumed(str(tmp_path / "one"), ["--batch-size", "8"], rank=0))
+    # written by dp 2 x sp 2 with ZeRO-3, resumed by one process: the model carries over, AdamW starts again
+    shutil.copytree(tmp_path / "dp2xsp2" / "straight" / "step_000003", tmp_path / "layout" / "step_000003")
+    capsys.readouterr()
+    resumed = train.main(RESUME_ARGS + ["--batch-size", "8", "--out-dir", str(tmp_path / "layout"), "--resume"])
+    assert "model only: it was written by 4 ranks with --zero 3" in capsys.readouterr().out
+    assert resumed[0]["step"] == 4  # the same weights see the same batch: the same loss, before any update
+    assert abs(resumed[0]["loss"] - four_ranks[0][3]["loss"]) < 1e-5
+
+
+def test_broken_checkpoints_are_refused(tmp_path, monkeypatch):
+    import train
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    out_dir = tmp_path / "run"
+    with pytest.raises(SystemExit, match=r"--resume: no complete checkpoint in --out-dir"):
+        train.main(RESUME_ARGS + ["--out-dir", str(out_dir), "--resume"])
+    train.main(RESUME_ARGS + ["--out-dir", str(out_dir)])
+    model_file = out_dir / "step_000006" / "model.pt"
+    model_file.write_bytes(model_file.read_bytes()[:1000])  # truncated
+    with pytest.raises(SystemExit, match=r"step_000006 is unreadable \(truncated, or not written by train.py\)"):
+        train.main(RESUME_ARGS + ["--out-dir", str(out_dir), "--resume"])
+    torch.save({"weights": torch.zeros(3)}, out_dir / "step_000006" / "trainer.pt")  # foreign
+    with pytest.raises(SystemExit, match=r"step_000006 is unreadable"):
+        train.main(RESUME_ARGS + ["--out-dir", str(out_dir), "--resume"])
+    other = tmp_path / "other"
+    train.main(RESUME_ARGS + ["--out-dir", str(other)])
+    with pytest.raises(SystemExit, match=r"holds a model with .*'n_embd': 32.*the flags ask for .*'n_embd': 64"):
+        train.main(RESUME_ARGS + ["--out-dir", str(other), "--resume", "--n-embd", "64"])
+
+
+def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):
+    import train
+    out_dir = tmp_path / "run"
+    with pytest.raises(SystemExit, match=r"step 2: loss nan, gradient norm nan; stopped before the update"):
+        train.main(["--lr", "1e30", "--warmup", "1", "--save-every", "1", "--out-dir", str(out_dir)] + RESUME_ARGS[4:])
+    assert sorted(os.listdir(out_dir)) == ["step_000001"]
+
+
+def test_killed_rank_restarts_from_the_last_checkpoint(tmp_path):
+    """torchrun --max-restarts=1: kill one rank mid-run; the group restarts, resumes and finishes."""
+    import signal
+    import subprocess
+    import sys
+    import time
+    out_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "--max-restarts=1",
+           "train.py", "--steps", "300", "--seq-len", "32", "--n-embd", "32", "--save-every", "10",
+           "--out-dir", str(out_dir)]
+    launcher = subprocess.Popen(cmd, cwd=os.path.dirname(os.path.abspath(__file__)), stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 90
+    while not (out_dir / "step_000010").exists() and time.time() < deadline and launcher.poll() is None:
+        time.sleep(0.05)
+    workers = [int(p) for p in os.listdir("/proc") if p.isdigit() and
+               open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()[1] == str(launcher.pid)]
+    assert workers, "no worker process found"
+    os.kill(workers[0], signal.SIGKILL)
+    output, _ = launcher.communicate(timeout=180)
+    assert launcher.returncode == 0, output[-3000:]
+    assert "resuming from" in output and (out_dir / "step_000300").exists()

@@ -341,7 +341,15 @@ def setup(args, world_size):
     if not dist.is_initialized():
         backend, timeout = ("nccl" if device.type == "cuda" else "gloo"), datetime.timedelta(seconds=args.timeout)
         if "MASTER_ADDR" in os.environ:  # torchrun
-            dist.init_process_group(backend, timeout=timeout, device_id=device if device.type == "cuda" else None)
+            # The processes meet through a key-value store (torchrun's agent hosts it). After torchrun restarts the
+            # group, the store still holds the addresses of the processes that died; keys prefixed with the restart
+            # count keep the new processes from dialling the old ones.
+            rank, hosted = int(os.environ["RANK"]), os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+            store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
+                                  is_master=rank == 0 and not hosted, timeout=timeout)
+            store = dist.PrefixStore(f"restart_{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}", store)
+            dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout,
+                                    device_id=device if device.type == "cuda" else None)
         else:  # plain `python train.py`: a group of one
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     mesh = init_device_mesh(device.type, (world_size // args.sp, args.sp), mesh_dim_names=("dp", "sp"))
@@ -354,6 +362,14 @@ def main(argv=None):
     resume_from = check_args(args, world_size)
     owns_process_group = not dist.is_initialized()
     device, mesh = setup(args, world_size)
+    try:
+        return train(args, world_size, resume_from, device, mesh)
+    finally:
+        if owns_process_group:
+            dist.destroy_process_group()
+
+
+def train(args, world_size, resume_from, device, mesh):
     dp, sp_group = world_size // args.sp, mesh.get_group("sp")
     rank, dp_rank, sp_rank = dist.get_rank(), mesh.get_local_rank("dp"), mesh.get_local_rank("sp")
     documents = text_documents(args.data, split=args.pack) if args.data is not None else None
@@ -453,8 +469,6 @@ def main(argv=None):
             metrics_file.close()
     if history:
         summarize(args, history, total_seconds, state_bytes, peak_bytes, n_params, world_size, device, rank)
-    if owns_process_group:
-        dist.destroy_process_group()
     return history
 
 
