@@ -7,6 +7,7 @@ compares against the obvious single-device computation in float32.
 
 import json
 import os
+import re
 import socket
 import tempfile
 
@@ -585,16 +586,14 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):
     assert sorted(os.listdir(out_dir)) == ["step_000001"]
 
 
-def test_killed_rank_restarts_from_the_last_checkpoint(tmp_path):
-    """torchrun --max-restarts=1: kill one rank mid-run; the group restarts, resumes and finishes."""
-    import signal
+def _launch(tmp_path, extra, timeout=300):
+    """torchrun with 2 ranks on a tiny model, saving every 10 steps; returns (process, out_dir, its worker pids)."""
     import subprocess
     import sys
     import time
     out_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "--max-restarts=1",
-           "train.py", "--steps", "300", "--seq-len", "32", "--n-embd", "32", "--save-every", "10",
-           "--out-dir", str(out_dir)]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *extra, "train.py",
+           "--steps", "300", "--seq-len", "32", "--n-embd", "32", "--save-every", "10", "--out-dir", str(out_dir), "--timeout", str(timeout)]
     launcher = subprocess.Popen(cmd, cwd=os.path.dirname(os.path.abspath(__file__)), stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True)
     deadline = time.time() + 90
@@ -602,8 +601,33 @@ def test_killed_rank_restarts_from_the_last_checkpoint(tmp_path):
         time.sleep(0.05)
     workers = [int(p) for p in os.listdir("/proc") if p.isdigit() and
                open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()[1] == str(launcher.pid)]
-    assert workers, "no worker process found"
-    os.kill(workers[0], signal.SIGKILL)
+    assert len(workers) == 2, "the workers were not found"
+    return launcher, out_dir, sorted(workers)
+
+
+def test_killed_rank_restarts_from_the_last_checkpoint(tmp_path):
+    """torchrun --max-restarts=1: kill one rank mid-run; the group restarts, resumes and finishes."""
+    import signal
+    launcher, out_dir, workers = _launch(tmp_path, ["--max-restarts=1"])
+    os.kill(workers[1], signal.SIGKILL)
     output, _ = launcher.communicate(timeout=180)
     assert launcher.returncode == 0, output[-3000:]
     assert "resuming from" in output and (out_dir / "step_000300").exists()
+
+
+def test_hung_rank_ends_the_run_within_the_timeout(tmp_path):
+    """A peer that stops answering: the others give up after --timeout seconds, naming the collective."""
+    import signal
+    import time
+    launcher, _, workers = _launch(tmp_path, [], timeout=3)
+    os.kill(workers[1], signal.SIGSTOP)
+    stopped = time.time()
+    for line in launcher.stdout:
+        if "train.py: error:" in line:
+            break
+    waited = time.time() - stopped
+    os.kill(workers[1], signal.SIGKILL)  # torchrun would wait 30 s for a stopped process to take its SIGTERM
+    launcher.communicate(timeout=60)
+    assert launcher.returncode != 0
+    assert re.search(r"rank \d+, step \d+: \w+ failed \(a peer process died, or waited longer than --timeout 3 s\)", line)
+    assert waited < 3 + 10
