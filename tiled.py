@@ -145,3 +145,41 @@ def tiled_lm_loss(head_fn, x, labels, params, n_tiles=None):
     token_loss, correct = sequence_tiled_compute(loss_and_correct, (x, labels), params,
                                                  n_tiles or default_tile_count(x))  # (B, S), (B, S)
     return token_loss.sum(), correct.sum()
+
+
+if __name__ == "__main__":  # python tiled.py: what tiling saves, measured (MemTracker follows every tensor)
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    def measure(run, *inputs):
+        """MiB above the inputs: (kept from forward for backward, peak over forward + backward)."""
+        tracker = MemTracker()
+        tracker.track_external(*inputs)
+        with tracker:
+            base = tracker.get_tracker_snapshot("current")
+            total = lambda snapshot: sum(d["Total"] - base.get(k, {"Total": 0})["Total"] for k, d in snapshot.items())
+            out = run()
+            kept = total(tracker.get_tracker_snapshot("current")) - out.numel() * out.element_size()
+            out.sum().backward()
+            del out
+        for t in inputs:
+            t.grad = None
+        return kept / 2**20, total(tracker.get_tracker_snapshot("peak")) / 2**20
+
+    torch.manual_seed(0)
+    B, S, h, vocab = 1, 16384, 128, 2048
+    x = torch.randn(B, S, h, requires_grad=True)
+    fc, proj, head = (torch.randn(shape).mul_(0.02).requires_grad_() for shape in ((4 * h, h), (h, 4 * h), (vocab, h)))
+    labels = torch.randint(0, vocab, (B, S))
+    mlp = lambda t, fc, proj: F.linear(F.gelu(F.linear(t, fc)), proj)
+    logits = lambda t, head: F.linear(t, head)
+    print(f"B={B} S={S} h={h} vocab={vocab}, float32; MiB above the inputs (x alone is {x.numel() * 4 / 2**20:.0f} MiB)")
+    print(f"{'layer':6} {'tiles':>5} {'kept for backward':>18} {'peak fwd+bwd':>13} {'peak falls':>11}")
+    for name, untiled, tiled in [
+            ("mlp", lambda: mlp(x, fc, proj), lambda T: tiled_mlp(mlp, x, (fc, proj), T)),
+            ("loss", lambda: F.cross_entropy(logits(x, head).flatten(0, 1), labels.flatten(), reduction="sum"),
+             lambda T: tiled_lm_loss(logits, x, labels, (head,), T)[0])]:
+        _, untiled_peak = kept_peak = measure(untiled, x, fc, proj, head, labels)
+        print(f"{name:6} {1:5} {kept_peak[0]:18.1f} {kept_peak[1]:13.1f} {1:10.1f}x")
+        for T in (4, 8, 16):
+            kept, peak = measure(lambda: tiled(T), x, fc, proj, head, labels)
+            print(f"{name:6} {T:5} {kept:18.1f} {peak:13.1f} {untiled_peak / peak:10.1f}x")

@@ -45,7 +45,7 @@ def parse_args(argv=None):
     p.add_argument("--seq-len", type=int, default=128, help="tokens per sequence, before padding to a multiple of sp")
     p.add_argument("--batch-size", type=int, default=8, help="sequences per DP rank per micro-step")
     p.add_argument("--grad-accum", type=int, default=1, help="micro-steps per optimizer step")
-    p.add_argument("--steps", type=int, default=300, help="optimizer steps")
+    p.add_argument("--steps", type=int, default=600, help="optimizer steps")
     p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
     p.add_argument("--warmup", type=int, default=None, help="warmup steps (default: steps/10)")
     p.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay, on every parameter")
