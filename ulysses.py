@@ -40,44 +40,38 @@ def _all_to_all(x, group, scatter_dim, gather_dim, direction):
     """Split x into P chunks along scatter_dim, send chunk j to rank j, concatenate the P received chunks
     along gather_dim (chunk i came from rank i). One collective call."""
     P = dist.get_world_size(group)
-    send = torch.stack(x.chunk(P, dim=scatter_dim))  # (P, *chunk shape): row j goes to rank j
-    recv = torch.empty_like(send)
+    # seq_to_heads shown: x (B, S/P, H, D) -> P chunks (B, S/P, H/P, D) -> send (P, B, S/P, H/P, D), row j to rank j
+    send = torch.stack(x.chunk(P, dim=scatter_dim))
+    recv = torch.empty_like(send)  # (P, B, S/P, H/P, D): row i holds rank i's tokens, of my heads
     dist.all_to_all_single(recv, send, group=group)
     all_to_all_stats[direction]["calls"] += 1
-    all_to_all_stats[direction]["bytes"] += send.numel() * send.element_size() * (P - 1) // P  # row r stays
-    return torch.cat(recv.unbind(0), dim=gather_dim)
+    all_to_all_stats[direction]["bytes"] += send.numel() * send.element_size() * (P - 1) // P  # my row stays
+    return torch.cat(recv.unbind(0), dim=gather_dim)  # rows in rank order along the sequence: (B, S, H/P, D)
 
 
-class _SeqToHeads(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _all_to_all(x, group, scatter_dim=2, gather_dim=1, direction="forward")
+class _AllToAll(torch.autograd.Function):
+    """The all-to-all as an autograd op. Its backward is the same all-to-all with scatter and gather swapped:
+    the gradient of each received chunk goes back to the rank that sent it."""
 
     @staticmethod
-    def backward(ctx, grad):
-        return _all_to_all(grad, ctx.group, scatter_dim=1, gather_dim=2, direction="backward"), None
-
-
-class _HeadsToSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _all_to_all(x, group, scatter_dim=1, gather_dim=2, direction="forward")
+    def forward(ctx, x, group, scatter_dim, gather_dim):
+        ctx.group, ctx.dims = group, (scatter_dim, gather_dim)
+        return _all_to_all(x, group, scatter_dim, gather_dim, direction="forward")
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_to_all(grad, ctx.group, scatter_dim=2, gather_dim=1, direction="backward"), None
+        scatter_dim, gather_dim = ctx.dims
+        return _all_to_all(grad, ctx.group, gather_dim, scatter_dim, direction="backward"), None, None, None
 
 
 def seq_to_heads(x, group):
     """[B, S/P, H, D] (my tokens, all heads) -> [B, S, H/P, D] (all tokens, my heads). Backward: heads_to_seq."""
-    return _SeqToHeads.apply(x, group)
+    return _AllToAll.apply(x, group, 2, 1)
 
 
 def heads_to_seq(x, group):
     """[B, S, H/P, D] (all tokens, my heads) -> [B, S/P, H, D] (my tokens, all heads). Backward: seq_to_heads."""
-    return _HeadsToSeq.apply(x, group)
+    return _AllToAll.apply(x, group, 1, 2)
 
 
 def _sdpa(q, k, v, **kwargs):
