@@ -288,13 +288,15 @@ def lr_at(step, args):
 
 def all_to_all_bytes_formula(args, element_bytes):
     """Bytes one rank sends per optimizer step: per layer and micro-step, q, k, v and the output are each
-    [B, S/P, heads, D] and (P-1)/P of each leaves the rank; backward sends the same again."""
+    [B, S/P, heads, D] and (P-1)/P of each leaves the rank; backward sends the same again, and with
+    --checkpoint the forward runs twice (once more inside backward)."""
     P = args.sp
     S_pad = math.ceil(args.seq_len / P) * P
     kv_sent = ulysses.kv_heads_to_send(args.n_head, args.n_kv_head, P)
     head_dim = args.n_embd // args.n_head
     per_layer = args.batch_size * (S_pad // P) * head_dim * (2 * args.n_head + 2 * kv_sent) * (P - 1) // P
-    return 2 * args.n_layer * args.grad_accum * per_layer * element_bytes
+    passes = 3 if args.checkpoint else 2
+    return passes * args.n_layer * args.grad_accum * per_layer * element_bytes
 
 
 def model_state_bytes(optimizer):
