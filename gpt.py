@@ -40,8 +40,9 @@ class GPTConfig:
         if self.n_embd % self.n_head or (self.n_embd // self.n_head) % 2:
             raise ValueError(f"n_embd={self.n_embd} must split into n_head={self.n_head} heads of even size")
         if self.n_head % self.n_kv_head:
+            divisors = ", ".join(str(k) for k in range(1, self.n_head + 1) if self.n_head % k == 0)
             raise ValueError(f"n_head={self.n_head} is not a multiple of n_kv_head={self.n_kv_head}; "
-                             f"choose n_kv_head in {set(k for k in range(1, self.n_head + 1) if self.n_head % k == 0)}")
+                             f"choose n_kv_head in {{{divisors}}}")
 
 
 def rope_cos_sin(position_ids, head_dim, base):

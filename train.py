@@ -94,8 +94,8 @@ def check_args(args, world_size):
         if getattr(args, name) < 1:
             fail(f"--{name.replace('_', '-')} {getattr(args, name)} must be at least 1")
     if args.sp < 1 or world_size % args.sp:
-        choices = sorted(p for p in range(1, world_size + 1) if world_size % p == 0)
-        fail(f"--sp {args.sp} does not divide the world size {world_size}; choose --sp in {choices}")
+        choices = ", ".join(str(p) for p in range(1, world_size + 1) if world_size % p == 0)
+        fail(f"--sp {args.sp} does not divide the world size {world_size}; choose --sp in {{{choices}}}")
     if args.seq_len < args.sp:
         fail(f"--seq-len {args.seq_len} is smaller than --sp {args.sp}: every rank needs at least one token")
     try:

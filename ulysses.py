@@ -133,8 +133,8 @@ def gather_sequence(x, group):
 def kv_heads_to_send(n_head, n_kv_head, sp):
     """How many key/value heads go into the all-to-all, or ValueError for a head layout that cannot be split."""
     if n_head % sp:
-        divisors = [p for p in range(1, n_head + 1) if n_head % p == 0]
-        raise ValueError(f"n_head={n_head} is not divisible by sp={sp}; choose sp in {set(divisors)}")
+        divisors = ", ".join(str(p) for p in range(1, n_head + 1) if n_head % p == 0)
+        raise ValueError(f"n_head={n_head} is not divisible by sp={sp}; choose sp in {{{divisors}}}")
     if n_kv_head % sp == 0:
         return n_kv_head  # every rank receives n_kv_head/sp heads, the ones its n_head/sp query heads use
     if sp % n_kv_head == 0:
