@@ -69,10 +69,11 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, attn_fn, attn_kwargs):
         B, S, _ = x.shape  # S = local tokens, S/P
-        q, k, v = self.qkv(x).view(B, S, -1, self.head_dim).split([self.n_head, self.n_kv_head, self.n_kv_head], 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # (B, S/P, H, D), global positions
+        qkv = self.qkv(x).view(B, S, -1, self.head_dim)  # (B, S/P, n_head + 2*n_kv_head, D)
+        q, k, v = qkv.split([self.n_head, self.n_kv_head, self.n_kv_head], 2)  # (B, S/P, n_head or n_kv_head, D)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # rotated by their global positions
         y = ulysses_attention(q, k, v, self.sp_group, attn_fn, **attn_kwargs)  # (B, S/P, n_head, D)
-        return self.proj(y.reshape(B, S, -1))
+        return self.proj(y.reshape(B, S, -1))  # (B, S/P, h)
 
 
 def mlp(x, fc_weight, proj_weight):

@@ -6,6 +6,7 @@ compares against the obvious single-device computation in float32.
 """
 
 import json
+import math
 import os
 import re
 import socket
@@ -224,7 +225,8 @@ def _train_rank(rank, world_size, runs):
 @pytest.mark.parametrize("extra", [["--seq-len", "64"], ["--seq-len", "101", "--n-kv-head", "2"]], ids=["seq64", "seq101-kv2"])
 def test_training_is_the_same_for_every_layout(extra, tmp_path):
     """Same global batch, same training: sp, dp x sp, gradient accumulation, ZeRO-3, plain all-reduce, FSDP2,
-    tiles and activation checkpointing all give the one-process losses, gradient norms and final weights."""
+    tiles and activation checkpointing all give the one-process losses, gradient norms and (from the final
+    checkpoint; FSDP2 runs write none) weights."""
     out = lambda name: None if "fsdp2" in name else str(tmp_path / name.replace(" ", "_"))
     [(reference, reference_model)] = run_ranks(1, _train_rank, [(["--sp", "1", "--batch-size", "8"] + TRAIN_ARGS + extra, out("one"))])[0]
     per_rank = run_ranks(4, _train_rank, [(argv + TRAIN_ARGS + extra, out(name)) for name, argv in LAYOUTS.items()])
@@ -246,9 +248,12 @@ def test_training_is_the_same_for_every_layout(extra, tmp_path):
 
 @pytest.mark.parametrize("world_size, argv, message", [
     (4, ["--sp", "3"], r"--sp 3 does not divide the world size 4; choose --sp in \{1, 2, 4\}"),
-    (4, ["--n-head", "6", "--n-embd", "48"], r"n_head=6 is not divisible by sp=4; choose sp in"),
-    (4, ["--n-head", "8", "--n-kv-head", "8", "--sp", "4", "--n-kv-head", "6"], r"n_head=8 is not a multiple of n_kv_head=6"),
-    (4, ["--n-head", "12", "--n-kv-head", "6", "--n-embd", "96"], r"n_kv_head=6 and sp=4: one must divide the other"),
+    (4, ["--n-head", "6", "--n-embd", "48"], r"n_head=6 is not divisible by sp=4; choose sp in \{1, 2, 3, 6\}; "
+                                              r"with 4 ranks: --sp in \{1, 2\}"),
+    (4, ["--n-head", "8", "--n-kv-head", "6"], r"n_head=8 is not a multiple of n_kv_head=6"),
+    (4, ["--n-head", "12", "--n-kv-head", "6", "--n-embd", "96"],
+     r"n_kv_head=6 and sp=4: one must divide the other; choose sp in \{1, 2, 3, 6, 12\}"),
+    (1, ["--metrics", "/no/such/dir/metrics.jsonl"], r"--metrics: cannot write into /no/such/dir"),
     (4, ["--seq-len", "3"], r"--seq-len 3 is smaller than --sp 4"),
     (1, ["--data", "/no/such/file.txt"], r"--data /no/such/file.txt: no such file"),
     (1, ["--batch-size", "0"], r"--batch-size 0 must be at least 1"),
@@ -565,12 +570,18 @@ def test_broken_checkpoints_are_refused(tmp_path, monkeypatch):
     with pytest.raises(SystemExit, match=r"--resume: no complete checkpoint in --out-dir"):
         train.main(RESUME_ARGS + ["--out-dir", str(out_dir), "--resume"])
     train.main(RESUME_ARGS + ["--out-dir", str(out_dir)])
-    model_file = out_dir / "step_000006" / "model.pt"
-    model_file.write_bytes(model_file.read_bytes()[:1000])  # truncated
-    with pytest.raises(SystemExit, match=r"step_000006 is unreadable \(truncated, or not written by train.py\)"):
-        train.main(RESUME_ARGS + ["--out-dir", str(out_dir), "--resume"])
+    with pytest.raises(SystemExit, match=r"already holds checkpoints; add --resume to continue from step_000006"):
+        train.main(RESUME_ARGS + ["--out-dir", str(out_dir)])  # never overwritten by accident
+    for name in ("optimizer_rank00000.pt", "model.pt"):
+        part = out_dir / "step_000006" / name
+        whole = part.read_bytes()
+        part.write_bytes(whole[:1000])  # truncated
+        with pytest.raises(SystemExit, match=rf"step_000006 is unreadable \(truncated, or not written by train.py\): "
+                                             rf"{name}"):
+            train.main(RESUME_ARGS + ["--out-dir", str(out_dir), "--resume"])
+        part.write_bytes(whole)
     torch.save({"weights": torch.zeros(3)}, out_dir / "step_000006" / "trainer.pt")  # foreign
-    with pytest.raises(SystemExit, match=r"step_000006 is unreadable"):
+    with pytest.raises(SystemExit, match=r"step_000006 is unreadable .*: trainer.pt: no trainer state"):
         train.main(RESUME_ARGS + ["--out-dir", str(out_dir), "--resume"])
     other = tmp_path / "other"
     train.main(RESUME_ARGS + ["--out-dir", str(other)])
@@ -631,3 +642,41 @@ def test_hung_rank_ends_the_run_within_the_timeout(tmp_path):
     assert launcher.returncode != 0
     assert re.search(r"rank \d+, step \d+: \w+ failed \(a peer process died, or waited longer than --timeout 3 s\)", line)
     assert waited < 3 + 10
+
+
+def test_text_data_plain_and_packed(tmp_path):
+    """--data: a window of the bytes, or (--pack) whole paragraphs with positions restarting at each."""
+    import train
+    text = tmp_path / "text.txt"
+    text.write_text("\n\n".join(f"paragraph {i}: " + "ab " * (i % 7) for i in range(40)))  # 13 to 33 bytes
+    args = train.parse_args(["--data", str(text), "--seq-len", "64", "--pack"])
+    documents = train.text_documents(str(text), split=True)
+    assert len(documents) == 40 and bytes(documents[0].tolist()).startswith(b"paragraph 0: ")
+    tokens, labels, position_ids = train.make_sample(args, documents, index=0)
+    starts = (position_ids == 0).nonzero().flatten().tolist()
+    assert starts[0] == 0 and len(starts) > 1
+    for start in starts[1:]:  # a document's last token predicts nothing; the next starts at position 0
+        assert labels[start - 1] == -100 and position_ids[start - 1] > 0
+    for flags in ([], ["--pack"]):
+        history = train.main(["--data", str(text), "--seq-len", "64", "--steps", "3", "--n-embd", "32"] + flags)
+        assert len(history) == 3 and all(math.isfinite(r["loss"]) for r in history)
+
+
+def test_tiles_recompute_under_the_forward_autocast():
+    """Backward runs outside autocast, so the tiles must re-enter the forward's autocast to recompute what forward
+    computed. With bf16 weights (ZeRO-3's gathered copy on CUDA) and a float32 input it would not even run."""
+    import gpt
+    import tiled
+    torch.manual_seed(0)
+    x = torch.randn(2, 13, 16, requires_grad=True)
+    weights = [(torch.randn(64, 16) / 4).bfloat16().requires_grad_(), (torch.randn(16, 64) / 8).bfloat16().requires_grad_()]
+    results = []
+    for run in (lambda: gpt.mlp(x, *weights), lambda: tiled.tiled_mlp(gpt.mlp, x, weights, 4)):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = run()  # (B, S, h) bf16
+        out.float().pow(2).sum().backward()
+        results.append([out.detach().float()] + [t.grad.float() for t in (x, *weights)])
+        for t in (x, *weights):
+            t.grad = None
+    for got, want in zip(*reversed(results)):  # bf16 arithmetic: per-tile sums round differently from one sum
+        torch.testing.assert_close(got, want, rtol=0, atol=2e-2 * want.abs().max().item())

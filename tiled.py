@@ -54,6 +54,9 @@ class _SequenceTiled(torch.autograd.Function):
     def forward(ctx, fn, n_tiles, n_inputs, *inputs_and_params):
         inputs, params = inputs_and_params[:n_inputs], inputs_and_params[n_inputs:]
         ctx.fn, ctx.n_tiles, ctx.params = fn, n_tiles, params
+        device = inputs[0].device.type  # backward runs outside any autocast: recompute under the forward's
+        ctx.autocast = dict(device_type=device, enabled=torch.is_autocast_enabled(device),
+                            dtype=torch.get_autocast_dtype(device))
         ctx.save_for_backward(*inputs)  # the only tensors kept for backward
         with torch.no_grad():  # nothing computed inside a tile outlives the tile
             tile_outputs = [fn(*tile, *params) for tile in _split(inputs, n_tiles)]
@@ -71,7 +74,7 @@ class _SequenceTiled(torch.autograd.Function):
         for i, (tile, tile_grad_outputs) in enumerate(zip(_split(inputs, n_tiles), _split(grad_outputs, n_tiles))):
             # Step 1: recompute the tile with grad; its graph starts at the tile's (detached) inputs.
             tile = [x.requires_grad_(need) for x, need in zip(tile, needs_grad)]
-            with torch.enable_grad():
+            with torch.enable_grad(), torch.autocast(**ctx.autocast):
                 outputs = _as_tuple(ctx.fn(*tile, *params))
             # Step 2: differentiate it w.r.t. the tile's inputs and the parameters that need a gradient.
             pairs = [(out, grad) for out, grad in zip(outputs, tile_grad_outputs) if out.requires_grad]
@@ -154,16 +157,16 @@ if __name__ == "__main__":  # python tiled.py: what tiling saves, measured (MemT
         """MiB above the inputs: (kept from forward for backward, peak over forward + backward)."""
         tracker = MemTracker()
         tracker.track_external(*inputs)
+        total = lambda kind: sum(device["Total"] for device in tracker.get_tracker_snapshot(kind).values())
         with tracker:
-            base = tracker.get_tracker_snapshot("current")
-            total = lambda snapshot: sum(d["Total"] - base.get(k, {"Total": 0})["Total"] for k, d in snapshot.items())
+            base = total("current")  # the inputs
             out = run()
-            kept = total(tracker.get_tracker_snapshot("current")) - out.numel() * out.element_size()
+            kept = total("current") - base - out.numel() * out.element_size()  # saved for backward
             out.sum().backward()
             del out
         for t in inputs:
             t.grad = None
-        return kept / 2**20, total(tracker.get_tracker_snapshot("peak")) / 2**20
+        return kept / 2**20, (total("peak") - base) / 2**20
 
     torch.manual_seed(0)
     B, S, h, vocab = 1, 16384, 128, 2048
@@ -172,14 +175,14 @@ if __name__ == "__main__":  # python tiled.py: what tiling saves, measured (MemT
     labels = torch.randint(0, vocab, (B, S))
     mlp = lambda t, fc, proj: F.linear(F.gelu(F.linear(t, fc)), proj)
     logits = lambda t, head: F.linear(t, head)
-    print(f"B={B} S={S} h={h} vocab={vocab}, float32; MiB above the inputs (x alone is {x.numel() * 4 / 2**20:.0f} MiB)")
+    print(f"B={B} S={S} h={h} vocab={vocab}, float32; MiB above the inputs (x is {x.numel() * 4 / 2**20:.0f} MiB)")
     print(f"{'layer':6} {'tiles':>5} {'kept for backward':>18} {'peak fwd+bwd':>13} {'peak falls':>11}")
     for name, untiled, tiled in [
             ("mlp", lambda: mlp(x, fc, proj), lambda T: tiled_mlp(mlp, x, (fc, proj), T)),
             ("loss", lambda: F.cross_entropy(logits(x, head).flatten(0, 1), labels.flatten(), reduction="sum"),
              lambda T: tiled_lm_loss(logits, x, labels, (head,), T)[0])]:
-        _, untiled_peak = kept_peak = measure(untiled, x, fc, proj, head, labels)
-        print(f"{name:6} {1:5} {kept_peak[0]:18.1f} {kept_peak[1]:13.1f} {1:10.1f}x")
-        for T in (4, 8, 16):
-            kept, peak = measure(lambda: tiled(T), x, fc, proj, head, labels)
+        untiled_peak = None
+        for T in (1, 4, 8, 16):
+            kept, peak = measure(untiled if T == 1 else lambda: tiled(T), x, fc, proj, head, labels)
+            untiled_peak = untiled_peak or peak
             print(f"{name:6} {T:5} {kept:18.1f} {peak:13.1f} {untiled_peak / peak:10.1f}x")

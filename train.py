@@ -4,7 +4,8 @@ Train a small GPT with Ulysses sequence parallelism (SP), data parallelism (DP) 
     python train.py                                             # one process (dp 1 x sp 1)
     torchrun --standalone --nproc_per_node=4 train.py           # dp 1 x sp 4 (--sp defaults to all ranks)
     torchrun --standalone --nproc_per_node=4 train.py --sp 2    # dp 2 x sp 2
-    torchrun --nnodes=2 --node_rank=0 --master_addr=HOST --master_port=29500 --nproc_per_node=8 train.py --sp 8
+    torchrun --nnodes=2 --node_rank=0 --master_addr=HOST --master_port=29500 --nproc_per_node=8 \
+        train.py --sp 8 --n-head 8                              # two nodes (node_rank=1 on the other)
     python train.py --data input.txt                            # any text file, as bytes (vocab 256)
     torchrun --standalone --nproc_per_node=4 --max-restarts=1 train.py --out-dir ckpt --save-every 50
 
@@ -100,9 +101,14 @@ def check_args(args, world_size):
         fail(f"--seq-len {args.seq_len} is smaller than --sp {args.sp}: every rank needs at least one token")
     try:
         GPTConfig(**{name: getattr(args, name) for name in MODEL_FIELDS})
-        ulysses.kv_heads_to_send(args.n_head, args.n_kv_head, args.sp)
     except ValueError as e:
         fail(e)
+    try:
+        ulysses.kv_heads_to_send(args.n_head, args.n_kv_head, args.sp)
+    except ValueError as e:
+        fits = [p for p in range(1, world_size + 1) if world_size % p == 0 and args.n_head % p == 0 and
+                (args.n_kv_head % p == 0 or p % args.n_kv_head == 0)]
+        fail(f"{e}; with {world_size} ranks: --sp in {{{', '.join(map(str, fits))}}}")
     if args.window < 0:
         fail(f"--window {args.window} must be 0 (full attention) or a number of tokens")
     if args.data is not None:
@@ -123,12 +129,24 @@ def check_args(args, world_size):
     if args.out_dir is not None and args.zero == "fsdp2":
         fail("--out-dir with --zero fsdp2: this script checkpoints --zero 0 and 3 (for FSDP2 use "
              "torch.distributed.checkpoint)")
+    if args.out_dir is not None:
+        try:
+            os.makedirs(args.out_dir, exist_ok=True)
+        except OSError as e:
+            fail(f"--out-dir {args.out_dir}: {e.strerror}")
+    metrics_dir = os.path.dirname(os.path.abspath(args.metrics)) if args.metrics else None
+    for flag, directory in (("--out-dir", args.out_dir), ("--metrics", metrics_dir)):
+        if directory is not None and not os.access(directory, os.W_OK):
+            fail(f"{flag}: cannot write into {directory}")
     # torchrun restarting a failed group (--max-restarts) resumes from the newest checkpoint, if there is one
     restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0
     newest = newest_checkpoint(args.out_dir) if args.out_dir is not None else None
     if args.resume and newest is None:
         fail(f"--resume: no complete checkpoint in --out-dir {args.out_dir}")
-    return read_checkpoint(newest, args) if newest is not None and (args.resume or restarted) else None
+    if newest is not None and not (args.resume or restarted):
+        fail(f"--out-dir {args.out_dir} already holds checkpoints; add --resume to continue from "
+             f"{os.path.basename(newest)}, or choose another directory")
+    return read_checkpoint(newest, args, world_size) if newest is not None else None
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -176,7 +194,7 @@ def make_sample(args, documents, index):
         else:
             doc = documents[torch.randint(0, len(documents), (1,), generator=g).item()]
             pieces.append((doc, torch.cat([doc[1:], torch.tensor([-100])])))
-    tokens, labels = torch.cat([t for t, _ in pieces]), torch.cat([l for _, l in pieces])
+    tokens, labels = (torch.cat(column) for column in zip(*pieces))
     position_ids = torch.cat([torch.arange(len(t)) for t, _ in pieces])  # 0 at each document start, only there
     return tokens[:S], labels[:S], position_ids[:S]
 
@@ -208,9 +226,6 @@ def load_micro_batch(step, micro, args, documents, dp, dp_rank, sp_rank, device)
 
 
 # ----------------------------------------------------------------------------------------------------------------
-
-
-# ----------------------------------------------------------------------------------------------------------------
 # checkpoints: DIR/step_000020/{trainer.pt, model.pt, optimizer_rank00000.pt, ...}. Written into step_000020.tmp
 # and renamed when every rank has written its part, so a directory without .tmp is always complete.
 
@@ -221,19 +236,37 @@ def newest_checkpoint(out_dir):
     return os.path.join(out_dir, f"step_{max(steps):06d}") if steps else None
 
 
-def read_checkpoint(path, args):
-    """Load and check the parts every rank needs: (trainer state, whole-model state dict)."""
-    try:
-        trainer = torch.load(os.path.join(path, "trainer.pt"), weights_only=True)
-        model_state = torch.load(os.path.join(path, "model.pt"), weights_only=True)
-        assert isinstance(trainer, dict) and {"step", "world_size", "zero", "model"} <= trainer.keys()
-    except Exception as e:  # truncated, foreign or missing files all end here
-        fail(f"checkpoint {path} is unreadable (truncated, or not written by train.py): {type(e).__name__}")
+def data_flags(args, world_size):
+    """What fixes the sequence of batches: resuming with other values trains on other data."""
+    global_batch = world_size // args.sp * args.batch_size * args.grad_accum
+    return {"seed": args.seed, "seq_len": args.seq_len, "global_batch": global_batch, "data": args.data,
+            "pack": args.pack}
+
+
+def read_checkpoint(path, args, world_size):
+    """Load and check, before any process waits on another, everything this rank will need from a checkpoint:
+    (trainer state, whole-model state dict, this rank's optimizer and RNG state, or None on another layout)."""
+    rank = int(os.environ.get("RANK", 0))
+
+    def load(name):
+        try:
+            return torch.load(os.path.join(path, name), weights_only=True)
+        except Exception as e:  # truncated, foreign or missing files all end here
+            fail(f"checkpoint {path} is unreadable (truncated, or not written by train.py): {name}: "
+                 f"{str(e).splitlines()[0][:100]}")
+    trainer = load("trainer.pt")
+    if not (isinstance(trainer, dict) and {"step", "world_size", "zero", "model", "data"} <= trainer.keys()):
+        fail(f"checkpoint {path} is unreadable (truncated, or not written by train.py): trainer.pt: no trainer state")
     mine = {name: getattr(args, name) for name in MODEL_FIELDS}
     if trainer["model"] != mine:
         fail(f"checkpoint {path} holds a model with {trainer['model']}; the flags ask for {mine}")
+    same_layout = trainer["world_size"] == world_size and trainer["zero"] == args.zero
+    own = load(f"optimizer_rank{rank:05d}.pt") if same_layout else None
+    if rank == 0 and trainer["data"] != data_flags(args, world_size):
+        print(f"note: the checkpoint was trained with {trainer['data']}; this run has {data_flags(args, world_size)}, "
+              f"so its steps will not repeat the original run's")
     trainer["path"] = path
-    return trainer, model_state
+    return trainer, load("model.pt"), own
 
 
 def save_checkpoint(args, step, model_state, optimizer, world_size, rank):
@@ -243,12 +276,13 @@ def save_checkpoint(args, step, model_state, optimizer, world_size, rank):
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
     dist.barrier()
-    # each rank its own optimizer state (a shard under ZeRO-3) and RNG state; the data position is the step
+    # each rank its own optimizer state (a shard under ZeRO-3) and RNG state (nothing draws from it after the
+    # model is built, but a model with dropout would); the step fixes the data position and the LR schedule
     torch.save({"optimizer": optimizer.state_dict(), "rng": torch.get_rng_state()},
                os.path.join(tmp, f"optimizer_rank{rank:05d}.pt"))
     if rank == 0:
         torch.save(model_state, os.path.join(tmp, "model.pt"))  # whole, unsharded: loads on any layout
-        torch.save({"step": step, "world_size": world_size, "zero": args.zero, "sp": args.sp,
+        torch.save({"step": step, "world_size": world_size, "zero": args.zero, "data": data_flags(args, world_size),
                     "model": {name: getattr(args, name) for name in MODEL_FIELDS}},
                    os.path.join(tmp, "trainer.pt"))
     dist.barrier()
@@ -259,15 +293,13 @@ def save_checkpoint(args, step, model_state, optimizer, world_size, rank):
 
 def restore(resume_from, model, zero, optimizer, args, world_size, rank):
     """Load a checkpoint into this run. Returns the number of steps already done."""
-    trainer, model_state = resume_from
+    trainer, model_state, own = resume_from
     (zero or model).load_state_dict(model_state)  # ZeRO-3 cuts its shards for this run's ranks
-    same_layout = trainer["world_size"] == world_size and trainer["zero"] == args.zero
-    if same_layout:
-        own = torch.load(os.path.join(trainer["path"], f"optimizer_rank{rank:05d}.pt"), weights_only=True)
+    if own is not None:  # the same layout: this rank's optimizer shard fits
         optimizer.load_state_dict(own["optimizer"])
         torch.set_rng_state(own["rng"])
     if rank == 0:
-        carried = "model, optimizer state" if same_layout else (
+        carried = "model, optimizer state" if own is not None else (
             f"model only: it was written by {trainer['world_size']} ranks with --zero {trainer['zero']}, this run "
             f"has {world_size} with --zero {args.zero}, so AdamW's state starts again from zero")
         print(f"resuming from {trainer['path']} after step {trainer['step']}: {carried}")
@@ -395,7 +427,12 @@ def train(args, world_size, resume_from, device, mesh):
         print(f"world {world_size} = dp {dp} x sp {args.sp} | zero {args.zero} | {n_params / 1e6:.2f}M parameters | "
               f"seq {args.seq_len} | global batch {dp * args.batch_size * args.grad_accum} sequences | {device}")
 
-    metrics_file = open(args.metrics, "a" if start_step else "w") if args.metrics and rank == 0 else None
+    metrics_file = None
+    if args.metrics and rank == 0:  # a resumed run keeps the lines up to its checkpoint and writes the rest anew
+        kept = [line for line in open(args.metrics)
+                if json.loads(line)["step"] <= start_step] if start_step and os.path.exists(args.metrics) else []
+        metrics_file = open(args.metrics, "w")
+        metrics_file.writelines(kept)
     history, total_seconds, state_bytes, peak_bytes = [], 0.0, None, None
     ulysses.reset_all_to_all_stats()
     bar = tqdm(range(start_step, args.steps), disable=rank != 0, dynamic_ncols=True, initial=start_step,
@@ -410,7 +447,7 @@ def train(args, world_size, resume_from, device, mesh):
                 micro_batches = [load_micro_batch(step, m, args, documents, dp, dp_rank, sp_rank, device)
                                  for m in range(args.grad_accum)]
                 # DESIGN.md step 7: divide by the valid tokens of the WHOLE global batch (all ranks, all micro-steps)
-                valid = torch.tensor(float(sum((l != -100).sum() for _, l, _ in micro_batches)), device=device)
+                valid = sum((labels != -100).sum() for _, labels, _ in micro_batches).to(device)  # int64
                 dist.all_reduce(valid)
                 loss_sum, correct = torch.zeros((), device=device), torch.zeros((), device=device)
                 for inputs, labels, position_ids in micro_batches:

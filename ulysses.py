@@ -103,9 +103,9 @@ def document_attention(q, k, v, position_ids, window=None):
     with flash-attn one variable-length kernel call covers all documents; otherwise SDPA runs per document,
     so memory grows with the longest document, never as S^2."""
     B, S, Hq, D = q.shape
-    starts = position_ids.flatten() == 0
+    starts = position_ids.flatten() == 0  # (B*S,)
     starts[::S] = True  # each row of the batch starts a document
-    cu_seqlens = torch.cat([starts.nonzero().flatten(), torch.tensor([B * S], device=q.device)])
+    cu_seqlens = torch.cat([starts.nonzero().flatten(), torch.tensor([B * S], device=q.device)])  # (documents + 1,)
     q, k, v = (t.flatten(0, 1) for t in (q, k, v))  # (B*S, heads, D): the batch as one long token stream
     if flash_attn_varlen_func is not None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
         cu_seqlens = cu_seqlens.to(torch.int32)
@@ -139,8 +139,9 @@ def kv_heads_to_send(n_head, n_kv_head, sp):
         return n_kv_head  # every rank receives n_kv_head/sp heads, the ones its n_head/sp query heads use
     if sp % n_kv_head == 0:
         return sp  # each kv head is copied sp/n_kv_head times, so every rank receives exactly one
-    raise ValueError(f"n_kv_head={n_kv_head} and sp={sp}: one must divide the other "
-                     f"(n_kv_head % sp == 0 or sp % n_kv_head == 0)")
+    valid = ", ".join(str(p) for p in range(1, n_head + 1)
+                      if n_head % p == 0 and (n_kv_head % p == 0 or p % n_kv_head == 0))
+    raise ValueError(f"n_kv_head={n_kv_head} and sp={sp}: one must divide the other; choose sp in {{{valid}}}")
 
 
 def ulysses_attention(q, k, v, group=None, attn_fn=None, **attn_kwargs):
@@ -157,10 +158,10 @@ def ulysses_attention(q, k, v, group=None, attn_fn=None, **attn_kwargs):
     B, S_local, Hq, D = q.shape
     Hkv = k.shape[2]
     n_send = kv_heads_to_send(Hq, Hkv, P)
-    if n_send != Hkv:  # kv head j is used by query heads [j*Hq/Hkv, (j+1)*Hq/Hkv), which land on sp/Hkv ranks
-        k, v = k.repeat_interleave(n_send // Hkv, dim=2), v.repeat_interleave(n_send // Hkv, dim=2)
+    if n_send != Hkv:  # kv head j is used by query heads [j*Hq/Hkv, (j+1)*Hq/Hkv), which land on P/Hkv ranks
+        k, v = (t.repeat_interleave(n_send // Hkv, dim=2) for t in (k, v))  # (B, S/P, Hkv, D) -> (B, S/P, P, D)
     # Pack q, k, v so that the chunk for rank j holds its query heads and the kv heads they use:
-    # (B, S/P, H, D) -> (B, S/P, P, H/P, D), concatenated on the head dim -> (B, S/P, P*(Hq+2*Hkv)/P, D)
+    # (B, S/P, heads, D) -> (B, S/P, P, heads/P, D), concatenated -> (B, S/P, P*(hq + 2*hkv), D)
     hq, hkv = Hq // P, n_send // P
     qkv = torch.cat([t.reshape(B, S_local, P, -1, D) for t in (q, k, v)], dim=3).flatten(2, 3)
     qkv = seq_to_heads(qkv, group)  # (B, S, hq + 2*hkv, D)

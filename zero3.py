@@ -59,10 +59,6 @@ def _grad_outputs(output):
     return [t for t in outputs if isinstance(t, torch.Tensor) and t.requires_grad]
 
 
-def _nbytes(tensors):
-    return sum(t.numel() * t.element_size() for t in tensors)
-
-
 class ShardedUnit:
     """One unit: its parameters as one flat vector, this rank's float32 shard of it and the gathered copy `full`."""
 
@@ -226,19 +222,6 @@ class ZeRO3:
         self.model.load_state_dict({k: v for k, v in state_dict.items() if k not in names})  # buffers; no extra keys
         for unit in self.units:
             unit.shard.copy_(unit.my_shard_of(state_dict[slot.name] for slot in unit.slots))
-
-    def memory_bytes(self, optimizer=None):
-        """Model-state bytes on this rank: params and grads are the shards, 1/N of `unsharded_params` up to
-        padding (< N elements per unit); optimizer (if given) is its state for the shards (AdamW: 2x params,
-        plus a 4-byte step count per shard)."""
-        shards = self.parameters()
-        report = {"params": _nbytes(shards),
-                  "grads": _nbytes(shard.grad for shard in shards if shard.grad is not None),
-                  "unsharded_params": 4 * sum(unit.numel for unit in self.units)}
-        if optimizer is not None:
-            report["optimizer"] = _nbytes(t for shard in shards for t in optimizer.state.get(shard, {}).values()
-                                          if isinstance(t, torch.Tensor))
-        return report
 
 
 def fsdp2_shard(model, units, group, compute_dtype=None):
