@@ -25,7 +25,6 @@ import os
 import shutil
 import time
 import traceback
-from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
@@ -403,6 +402,47 @@ def main(argv=None):
             dist.destroy_process_group()
 
 
+def train_step(step, micro_batches, model, zero, optimizer, args, tracker=None):
+    """One optimizer step on this rank's micro-batches of the global batch. Returns (loss, accuracy, grad_norm,
+    lr), the first three for the whole global batch. Leaves the gradients in place (the caller may count them)."""
+    device = micro_batches[0][0].device
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    optimizer.zero_grad(set_to_none=True)
+    # DESIGN.md step 7: divide by the valid tokens of the WHOLE global batch (all ranks, all micro-steps)
+    valid = sum((labels != -100).sum() for _, labels, _ in micro_batches).to(device)  # int64
+    dist.all_reduce(valid)
+    loss_sum, correct = torch.zeros((), device=device), torch.zeros((), device=device)
+    for inputs, labels, position_ids in micro_batches:
+        if tracker:  # it follows one forward per module; the peak of the whole step is kept
+            tracker.reset_mod_stats()
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            micro_loss_sum, micro_correct = model(inputs, position_ids, labels, packed=args.pack)
+        (micro_loss_sum / valid.clamp(min=1)).backward()  # a rank or batch with no valid token adds 0
+        loss_sum += micro_loss_sum.detach()
+        correct += micro_correct
+    # DESIGN.md step 8: SUM gradients over all dp x sp ranks: this is then the single-device gradient.
+    # ZeRO-3 and FSDP2 reduce-scatter with SUM during backward; without them, one all-reduce here.
+    if args.zero == "0":
+        flat_grads = torch.cat([p.grad.flatten() for p in params])
+        dist.all_reduce(flat_grads)
+        for p, g in zip(params, flat_grads.split([p.numel() for p in params])):
+            p.grad.copy_(g.view_as(p))
+    max_norm = args.grad_clip if args.grad_clip > 0 else float("inf")
+    grad_norm = zero.clip_grad_norm_(max_norm) if zero else torch.nn.utils.clip_grad_norm_(params, max_norm)
+    grad_norm = (grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm).item()  # FSDP2: DTensor
+    totals = torch.stack([loss_sum, correct.float()])
+    dist.all_reduce(totals)
+    loss, accuracy = (totals / valid.clamp(min=1)).tolist()
+    if not (math.isfinite(loss) and math.isfinite(grad_norm)):  # every rank sees the same, so all stop
+        fail(f"step {step + 1}: loss {loss}, gradient norm {grad_norm}; stopped before the update, so the last "
+             f"checkpoint stays the last good one")
+    lr = lr_at(step, args)
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    optimizer.step()
+    return loss, accuracy, grad_norm, lr
+
+
 def train(args, world_size, resume_from, device, mesh):
     dp, sp_group = world_size // args.sp, mesh.get_group("sp")
     rank, dp_rank, sp_rank = dist.get_rank(), mesh.get_local_rank("dp"), mesh.get_local_rank("sp")
@@ -422,7 +462,6 @@ def train(args, world_size, resume_from, device, mesh):
     params = zero.parameters() if zero else list(model.parameters())
     optimizer = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
     start_step = restore(resume_from, model, zero, optimizer, args, world_size, rank) if resume_from else 0
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
     if rank == 0:
         print(f"world {world_size} = dp {dp} x sp {args.sp} | zero {args.zero} | {n_params / 1e6:.2f}M parameters | "
               f"seq {args.seq_len} | global batch {dp * args.batch_size * args.grad_accum} sequences | {device}")
@@ -433,7 +472,7 @@ def train(args, world_size, resume_from, device, mesh):
                 if json.loads(line)["step"] <= start_step] if start_step and os.path.exists(args.metrics) else []
         metrics_file = open(args.metrics, "w")
         metrics_file.writelines(kept)
-    history, total_seconds, state_bytes, peak_bytes = [], 0.0, None, None
+    history, total_seconds, peak_bytes = [], 0.0, None
     ulysses.reset_all_to_all_stats()
     bar = tqdm(range(start_step, args.steps), disable=rank != 0, dynamic_ncols=True, initial=start_step,
                total=args.steps)
@@ -441,52 +480,19 @@ def train(args, world_size, resume_from, device, mesh):
     try:
         for step in bar:
             t0 = time.perf_counter()
-            measure = device.type == "cpu" and step == args.steps - 1  # the last step, as every step is alike
-            tracker = memory_tracker(model, optimizer, zero) if measure else None
-            with tracker or nullcontext():
-                micro_batches = [load_micro_batch(step, m, args, documents, dp, dp_rank, sp_rank, device)
-                                 for m in range(args.grad_accum)]
-                # DESIGN.md step 7: divide by the valid tokens of the WHOLE global batch (all ranks, all micro-steps)
-                valid = sum((labels != -100).sum() for _, labels, _ in micro_batches).to(device)  # int64
-                dist.all_reduce(valid)
-                loss_sum, correct = torch.zeros((), device=device), torch.zeros((), device=device)
-                for inputs, labels, position_ids in micro_batches:
-                    if tracker:  # it follows one forward per module; the peak of the whole step is kept
-                        tracker.reset_mod_stats()
-                    with autocast:
-                        micro_loss_sum, micro_correct = model(inputs, position_ids, labels, packed=args.pack)
-                    (micro_loss_sum / valid.clamp(min=1)).backward()  # a rank or batch with no valid token adds 0
-                    loss_sum += micro_loss_sum.detach()
-                    correct += micro_correct
-                # DESIGN.md step 8: SUM gradients over all dp x sp ranks: this is then the single-device gradient.
-                # ZeRO-3 and FSDP2 reduce-scatter with SUM during backward; without them, one all-reduce here.
-                if args.zero == "0":
-                    flat_grads = torch.cat([p.grad.flatten() for p in params])
-                    dist.all_reduce(flat_grads)
-                    for p, g in zip(params, flat_grads.split([p.numel() for p in params])):
-                        p.grad.copy_(g.view_as(p))
-                max_norm = args.grad_clip if args.grad_clip > 0 else float("inf")
-                grad_norm = zero.clip_grad_norm_(max_norm) if zero else torch.nn.utils.clip_grad_norm_(params, max_norm)
-                grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm  # FSDP2
-                totals = torch.stack([loss_sum, correct.float()])
-                dist.all_reduce(totals)
-                loss, accuracy = (totals / valid.clamp(min=1)).tolist()
-                if not (math.isfinite(loss) and math.isfinite(grad_norm.item())):  # every rank sees the same
-                    fail(f"step {step + 1}: loss {loss}, gradient norm {grad_norm.item()}; stopped before the "
-                         f"update, so the last checkpoint stays the last good one")
-                lr = lr_at(step, args)
-                for group in optimizer.param_groups:
-                    group["lr"] = lr
-                optimizer.step()
-                if step == args.steps - 1:
-                    state_bytes = model_state_bytes(optimizer)  # while the gradients still exist
-                optimizer.zero_grad(set_to_none=True)
-            if tracker:
+            micro_batches = [load_micro_batch(step, m, args, documents, dp, dp_rank, sp_rank, device)
+                             for m in range(args.grad_accum)]
+            if device.type == "cpu" and step == args.steps - 1:  # measure the last step: every step is alike
+                with memory_tracker(model, optimizer, zero) as tracker:
+                    loss, accuracy, grad_norm, lr = train_step(step, micro_batches, model, zero, optimizer, args,
+                                                               tracker)
                 peak_bytes = tracker.get_tracker_snapshot("peak")[device]["Total"]
+            else:
+                loss, accuracy, grad_norm, lr = train_step(step, micro_batches, model, zero, optimizer, args)
             seconds = time.perf_counter() - t0
             total_seconds += seconds
             tokens = dp * args.grad_accum * args.batch_size * args.seq_len
-            record = {"step": step + 1, "loss": loss, "grad_norm": grad_norm.item(), "lr": lr, "tokens": tokens,
+            record = {"step": step + 1, "loss": loss, "grad_norm": grad_norm, "lr": lr, "tokens": tokens,
                       "seconds": seconds, "accuracy": accuracy}
             history.append(record)
             bar.set_postfix(loss=f"{loss:.4f}", acc=f"{accuracy:.3f}", tok_s=f"{tokens / seconds:.0f}")
@@ -506,8 +512,9 @@ def train(args, world_size, resume_from, device, mesh):
         bar.close()
         if metrics_file:
             metrics_file.close()
-    if history:
-        summarize(args, history, total_seconds, state_bytes, peak_bytes, n_params, world_size, device, rank)
+    if history:  # the last step's gradients are still there to be counted
+        summarize(args, history, total_seconds, model_state_bytes(optimizer), peak_bytes, n_params, world_size,
+                  device, rank)
     return history
 
 
