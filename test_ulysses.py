@@ -201,7 +201,7 @@ def test_gpt_with_sp_matches_one_device(world_size):
 # ---------------------------------------------------------------------------------------------------------------
 # train.py: the same global batch gives the same training, whatever the layout
 
-TRAIN_ARGS = ["--steps", "8", "--n-layer", "2", "--n-embd", "32", "--lr", "3e-3", "--grad-clip", "0.2"]
+TRAIN_ARGS = ["--steps", "20", "--n-layer", "2", "--n-embd", "32", "--lr", "3e-3", "--grad-clip", "0.2"]
 LAYOUTS = {  # each with a global batch of 8 sequences: dp * batch-size * grad-accum
     "sp4": ["--sp", "4", "--batch-size", "8"],  # --zero 3 is the default with 4 ranks
     "dp2xsp2 accum": ["--sp", "2", "--batch-size", "2", "--grad-accum", "2"],
