@@ -9,15 +9,24 @@ import json
 import math
 import os
 import re
+import shutil
+import signal
 import socket
+import subprocess
+import sys
 import tempfile
+import time
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+import gpt
+import tiled
+import train
 import ulysses
+import zero3
 from gpt import GPT, GPTConfig
 
 
@@ -158,7 +167,6 @@ GPT_CASES = [(16, 4, 4), (13, 4, 2), (13, 4, 1)]  # (seq_len, n_head, n_kv_head)
 
 
 def _gpt_loss_and_grads(cases, sp_group, sp_rank, sp):
-    import train
     results = []
     for seq_len, n_head, n_kv_head in cases:
         torch.manual_seed(0)
@@ -181,7 +189,6 @@ def _gpt_rank(rank, world_size):
 
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_gpt_with_sp_matches_one_device(world_size):
-    import train
     per_rank = run_ranks(world_size, _gpt_rank)
     reference = _gpt_loss_and_grads(GPT_CASES, None, 0, 1)
     for i, (seq_len, n_head, n_kv_head) in enumerate(GPT_CASES):
@@ -214,7 +221,6 @@ LAYOUTS = {  # each with a global batch of 8 sequences: dp * batch-size * grad-a
 
 def _train_rank(rank, world_size, runs):
     """Run train.main once per (argv, out_dir); return each run's metrics and its final model (if saved)."""
-    import train
     results = []
     for argv, out_dir in runs:
         history = train.main(argv + (["--out-dir", out_dir] if out_dir else []))
@@ -266,7 +272,6 @@ def test_training_is_the_same_for_every_layout(extra, tmp_path):
     (1, ["--save-every", "5"], r"--resume and --save-every need --out-dir"),
 ])
 def test_bad_input_is_refused(monkeypatch, tmp_path, world_size, argv, message):
-    import train
     (tmp_path / "empty.txt").write_text("")
     argv = [a.format(empty=tmp_path / "empty.txt") for a in argv]
     monkeypatch.setenv("WORLD_SIZE", str(world_size))
@@ -276,8 +281,6 @@ def test_bad_input_is_refused(monkeypatch, tmp_path, world_size, argv, message):
 
 
 def test_torchrun_train_exits_zero(tmp_path):
-    import subprocess
-    import sys
     metrics = tmp_path / "metrics.jsonl"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py", "--steps",
            "3", "--seq-len", "32", "--n-embd", "32", "--metrics", str(metrics)]
@@ -315,7 +318,6 @@ def _packed_model(sp_group, window=0):
 
 def _packed_run(sp_group, sp_rank, sp, window=0, changed_document=None):
     """Logits and (grads of the mean loss) of this rank's shard of the packed batch."""
-    import train
     model = _packed_model(sp_group, window)
     full_inputs, full_labels, full_positions = _packed_batch(changed_document)
     inputs, labels, position_ids = train.shard_for_sp(full_inputs, full_labels, full_positions, sp_rank, sp)
@@ -379,7 +381,6 @@ def _zero_batch():
 
 
 def _zero3_rank(rank, world_size):
-    import zero3
     torch.manual_seed(0)
     reference = GPT(ZERO_CFG)
     idx, position_ids, labels = _zero_batch()
@@ -416,7 +417,6 @@ def _zero3_rank(rank, world_size):
 
 
 def _zero3_load_rank(rank, world_size, state):
-    import zero3
     torch.manual_seed(123)  # other weights, all overwritten by the load
     model = GPT(ZERO_CFG)
     zero = zero3.ZeRO3(model, model.units(), group=dist.group.WORLD)
@@ -451,8 +451,6 @@ def _labels_with_gaps(shape):
 
 @pytest.mark.parametrize("S, n_tiles", [(13, 4), (13, 13), (3, 8)])
 def test_tiled_mlp_matches_untiled(S, n_tiles):
-    import gpt
-    import tiled
     torch.manual_seed(0)
     x = torch.randn(2, S, 16, requires_grad=True)
     weights = [torch.randn(64, 16, requires_grad=True), torch.randn(16, 64, requires_grad=True)]
@@ -491,8 +489,6 @@ def test_tiled_loss_matches_untiled(all_ignored):
 
 def test_tiled_keeps_only_its_input_and_sends_each_gradient_once():
     """A ZeRO-3 post-accumulate-grad hook must fire once per backward, not once per tile."""
-    import gpt
-    import tiled
     x = torch.randn(2, 13, 16, requires_grad=True)
     weights = [torch.randn(64, 16, requires_grad=True), torch.randn(16, 64, requires_grad=True)]
     arrivals = [0, 0]
@@ -531,8 +527,6 @@ RESUME_ARGS = ["--steps", "6", "--save-every", "3", "--n-layer", "2", "--n-embd"
 
 def _straight_then_resumed(out_dir, argv, rank):
     """6 steps in one go, then the same run resumed from its step-3 checkpoint in a fresh directory."""
-    import shutil
-    import train
     straight = train.main(argv + RESUME_ARGS + ["--out-dir", f"{out_dir}/straight"])
     if rank == 0:
         shutil.copytree(f"{out_dir}/straight/step_000003", f"{out_dir}/resumed/step_000003")
@@ -554,8 +548,6 @@ def _assert_bit_exact(straight, resumed, models):
 
 
 def test_resume_is_bit_exact_and_carries_across_layouts(tmp_path, capsys):
-    import shutil
-    import train
     four_ranks = run_ranks(4, _resume_rank, str(tmp_path / "dp2xsp2"))[0]
     _assert_bit_exact(*four_ranks)  # ZeRO-3 shards, AdamW shards and all
     _assert_bit_exact(*_straight_then_resumed(str(tmp_path / "one"), ["--batch-size", "8"], rank=0))
@@ -569,7 +561,6 @@ def test_resume_is_bit_exact_and_carries_across_layouts(tmp_path, capsys):
 
 
 def test_broken_checkpoints_are_refused(tmp_path, monkeypatch):
-    import train
     monkeypatch.setenv("WORLD_SIZE", "1")
     out_dir = tmp_path / "run"
     with pytest.raises(SystemExit, match=r"--resume: no complete checkpoint in --out-dir"):
@@ -595,7 +586,6 @@ def test_broken_checkpoints_are_refused(tmp_path, monkeypatch):
 
 
 def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):
-    import train
     out_dir = tmp_path / "run"
     with pytest.raises(SystemExit, match=r"step 2: loss nan, gradient norm nan; stopped before the update"):
         train.main(["--lr", "1e30", "--warmup", "1", "--save-every", "1", "--out-dir", str(out_dir)] + RESUME_ARGS[4:])
@@ -604,9 +594,6 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):
 
 def _launch(tmp_path, extra, timeout=300):
     """torchrun with 2 ranks on a tiny model, saving every 10 steps; returns (process, out_dir, its worker pids)."""
-    import subprocess
-    import sys
-    import time
     out_dir = tmp_path / "run"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *extra, "train.py",
            "--steps", "300", "--seq-len", "32", "--n-embd", "32", "--save-every", "10", "--out-dir", str(out_dir),
@@ -624,7 +611,6 @@ def _launch(tmp_path, extra, timeout=300):
 
 def test_killed_rank_restarts_from_the_last_checkpoint(tmp_path):
     """torchrun --max-restarts=1: kill one rank mid-run; the group restarts, resumes and finishes."""
-    import signal
     launcher, out_dir, workers = _launch(tmp_path, ["--max-restarts=1"])
     os.kill(workers[1], signal.SIGKILL)
     output, _ = launcher.communicate(timeout=180)
@@ -634,8 +620,6 @@ def test_killed_rank_restarts_from_the_last_checkpoint(tmp_path):
 
 def test_hung_rank_ends_the_run_within_the_timeout(tmp_path):
     """A peer that stops answering: the others give up after --timeout seconds, naming the collective."""
-    import signal
-    import time
     launcher, _, workers = _launch(tmp_path, [], timeout=8)  # long enough for both ranks to start up
     os.kill(workers[1], signal.SIGSTOP)
     stopped = time.time()
@@ -653,7 +637,6 @@ def test_hung_rank_ends_the_run_within_the_timeout(tmp_path):
 
 def test_text_data_plain_and_packed(tmp_path):
     """--data: a window of the bytes, or (--pack) whole paragraphs with positions restarting at each."""
-    import train
     text = tmp_path / "text.txt"
     text.write_text("\n\n".join(f"paragraph {i}: " + "ab " * (i % 7) for i in range(40)))  # 13 to 33 bytes
     args = train.parse_args(["--data", str(text), "--seq-len", "64", "--pack"])
@@ -672,8 +655,6 @@ def test_text_data_plain_and_packed(tmp_path):
 def test_tiles_recompute_under_the_forward_autocast():
     """Backward runs outside autocast, so the tiles must re-enter the forward's autocast to recompute what forward
     computed. With bf16 weights (ZeRO-3's gathered copy on CUDA) and a float32 input it would not even run."""
-    import gpt
-    import tiled
     torch.manual_seed(0)
     x = torch.randn(2, 13, 16, requires_grad=True)
     weights = [(torch.randn(64, 16) / 4).bfloat16().requires_grad_(),

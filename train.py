@@ -105,8 +105,7 @@ def check_args(args, world_size):
     try:
         ulysses.kv_heads_to_send(args.n_head, args.n_kv_head, args.sp)
     except ValueError as e:
-        fits = [p for p in range(1, world_size + 1) if world_size % p == 0 and args.n_head % p == 0 and
-                (args.n_kv_head % p == 0 or p % args.n_kv_head == 0)]
+        fits = [p for p in ulysses.sp_sizes(args.n_head, args.n_kv_head) if world_size % p == 0]
         fail(f"{e}; with {world_size} ranks: --sp in {{{', '.join(map(str, fits))}}}")
     if args.window < 0:
         fail(f"--window {args.window} must be 0 (full attention) or a number of tokens")
@@ -521,9 +520,8 @@ def train(args, world_size, resume_from, device, mesh):
 def summarize(args, history, total_seconds, state_bytes, peak_bytes, n_params, world_size, device, rank):
     if device.type == "cuda":
         peak_bytes = torch.cuda.max_memory_allocated(device)
-    peaks = torch.tensor([float(peak_bytes or 0)] + [float(v or 0) for v in (state_bytes or {}).values()],
-                         device=device)
-    dist.all_reduce(peaks, op=dist.ReduceOp.MAX)
+    peaks = torch.tensor([float(peak_bytes), *map(float, state_bytes.values())], device=device)
+    dist.all_reduce(peaks, op=dist.ReduceOp.MAX)  # (peak, params, grads, optimizer)
     if rank != 0:
         return
     sent = ulysses.all_to_all_stats
@@ -534,14 +532,12 @@ def summarize(args, history, total_seconds, state_bytes, peak_bytes, n_params, w
     print(f"final: loss {history[-1]['loss']:.4f} | accuracy {history[-1]['accuracy']:.4f}")
     print(f"throughput: {sum(r['tokens'] for r in history) / total_seconds:,.0f} tokens/s "
           f"({world_size} ranks, {total_seconds:.1f} s)")
-    if state_bytes:
-        params, grads, optim = peaks[1:].tolist()
-        print(f"model state per rank (max over ranks): params {mib(params)} + grads {mib(grads)} + optimizer "
-              f"{mib(optim)} = {mib(params + grads + optim)}; unsharded fp32 {mib(16 * n_params)}, "
-              f"/ {world_size} ranks = {mib(16 * n_params / world_size)}")
-    if peak_bytes is not None:
-        how = "torch.cuda.max_memory_allocated" if device.type == "cuda" else "MemTracker, last step"
-        print(f"peak tensor memory per rank (max over ranks, {how}): {mib(peaks[0].item())}")
+    params, grads, optim = peaks[1:].tolist()
+    print(f"model state per rank (max over ranks): params {mib(params)} + grads {mib(grads)} + optimizer "
+          f"{mib(optim)} = {mib(params + grads + optim)}; unsharded fp32 {mib(16 * n_params)}, "
+          f"/ {world_size} ranks = {mib(16 * n_params / world_size)}")
+    how = "torch.cuda.max_memory_allocated" if device.type == "cuda" else "MemTracker, last step"
+    print(f"peak tensor memory per rank (max over ranks, {how}): {mib(peaks[0].item())}")
     print(f"all-to-all per rank per step: {measured:,.0f} bytes sent (formula {formula:,} bytes); calls per layer "
           f"per micro-step: {sent['forward']['calls'] / micro_layers:g} forward, "
           f"{sent['backward']['calls'] / micro_layers:g} backward")

@@ -130,18 +130,20 @@ def gather_sequence(x, group):
     return torch.cat(parts, dim=1)
 
 
+def sp_sizes(n_head, n_kv_head):
+    """The SP sizes that can split these heads: P divides n_head, and P and n_kv_head divide one another."""
+    return [p for p in range(1, n_head + 1) if n_head % p == 0 and (n_kv_head % p == 0 or p % n_kv_head == 0)]
+
+
 def kv_heads_to_send(n_head, n_kv_head, sp):
     """How many key/value heads go into the all-to-all, or ValueError for a head layout that cannot be split."""
-    if n_head % sp:
-        divisors = ", ".join(str(p) for p in range(1, n_head + 1) if n_head % p == 0)
-        raise ValueError(f"n_head={n_head} is not divisible by sp={sp}; choose sp in {{{divisors}}}")
+    if sp not in sp_sizes(n_head, n_kv_head):
+        problem = (f"n_head={n_head} is not divisible by sp={sp}" if n_head % sp else
+                   f"n_kv_head={n_kv_head} and sp={sp}: one must divide the other")
+        raise ValueError(f"{problem}; choose sp in {{{', '.join(map(str, sp_sizes(n_head, n_kv_head)))}}}")
     if n_kv_head % sp == 0:
         return n_kv_head  # every rank receives n_kv_head/sp heads, the ones its n_head/sp query heads use
-    if sp % n_kv_head == 0:
-        return sp  # each kv head is copied sp/n_kv_head times, so every rank receives exactly one
-    valid = ", ".join(str(p) for p in range(1, n_head + 1)
-                      if n_head % p == 0 and (n_kv_head % p == 0 or p % n_kv_head == 0))
-    raise ValueError(f"n_kv_head={n_kv_head} and sp={sp}: one must divide the other; choose sp in {{{valid}}}")
+    return sp  # sp % n_kv_head == 0: each kv head is copied sp/n_kv_head times, every rank receives exactly one
 
 
 def ulysses_attention(q, k, v, group=None, attn_fn=None, **attn_kwargs):
