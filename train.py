@@ -82,8 +82,9 @@ def fail(message):
     raise SystemExit(f"train.py: error: {message}" if int(os.environ.get("RANK", 0)) == 0 else 1)
 
 
-def check_args(args, world_size):
-    """Validate every flag before any process waits on another. Returns the checkpoint to resume from, if any."""
+def prepare(args, world_size):
+    """Check every flag, and read what the run needs from disk, before any process waits on another.
+    Returns (the text documents or None for the copy task, the checkpoint to resume from or None)."""
     if args.sp is None:
         args.sp = world_size
     if args.n_kv_head is None:
@@ -109,6 +110,7 @@ def check_args(args, world_size):
         fail(f"{e}; with {world_size} ranks: --sp in {{{', '.join(map(str, fits))}}}")
     if args.window < 0:
         fail(f"--window {args.window} must be 0 (full attention) or a number of tokens")
+    documents = None
     if args.data is not None:
         if not os.path.isfile(args.data):
             fail(f"--data {args.data}: no such file")
@@ -144,7 +146,7 @@ def check_args(args, world_size):
     if newest is not None and not (args.resume or restarted):
         fail(f"--out-dir {args.out_dir} already holds checkpoints; add --resume to continue from "
              f"{os.path.basename(newest)}, or choose another directory")
-    return read_checkpoint(newest, args, world_size) if newest is not None else None
+    return documents, read_checkpoint(newest, args, world_size) if newest is not None else None
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -391,11 +393,11 @@ def setup(args, world_size):
 def main(argv=None):
     args = parse_args(argv)
     world_size = int(os.environ.get("WORLD_SIZE", 1))
-    resume_from = check_args(args, world_size)
+    documents, resume_from = prepare(args, world_size)
     owns_process_group = not dist.is_initialized()
     device, mesh = setup(args, world_size)
     try:
-        return train(args, world_size, resume_from, device, mesh)
+        return train(args, world_size, documents, resume_from, device, mesh)
     finally:
         if owns_process_group:
             dist.destroy_process_group()
@@ -442,10 +444,9 @@ def train_step(step, micro_batches, model, zero, optimizer, args, tracker=None):
     return loss, accuracy, grad_norm, lr
 
 
-def train(args, world_size, resume_from, device, mesh):
+def train(args, world_size, documents, resume_from, device, mesh):
     dp, sp_group = world_size // args.sp, mesh.get_group("sp")
     rank, dp_rank, sp_rank = dist.get_rank(), mesh.get_local_rank("dp"), mesh.get_local_rank("sp")
-    documents = text_documents(args.data, split=args.pack) if args.data is not None else None
 
     torch.manual_seed(args.seed)  # every rank builds the same initial model
     cfg = GPTConfig(**{name: getattr(args, name) for name in MODEL_FIELDS}, tiles=args.tiles,
