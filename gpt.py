@@ -10,16 +10,15 @@ position of each token (RoPE must rotate token i by i, not by its index inside t
 
 from contextlib import nullcontext
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
+import torch.utils.checkpoint
 
 from tiled import tiled_lm_loss, tiled_mlp
-
-from ulysses import (causal_attention, document_attention, gather_sequence, local_attention,
-                     ulysses_attention)
+from ulysses import causal_attention, document_attention, gather_sequence, local_attention, ulysses_attention
 
 
 @dataclass
@@ -33,8 +32,8 @@ class GPTConfig:
     rope_base: float = 10000.0
     # How to compute, not what: these change memory and time, never the result.
     tiles: int = 1  # > 1: MLP and loss run over this many sequence tiles (tiled.py), never the full activation
-    checkpoint: bool = False  # keep only each block's input; recompute the block in backward
-    offload: bool = False  # with checkpoint, on CUDA: keep those block inputs in CPU memory until backward
+    recompute: bool = False  # keep only each block's input; recompute the block in backward
+    offload: bool = False  # with recompute, on CUDA: keep those block inputs in CPU memory until backward
 
     def __post_init__(self):
         if self.n_embd % self.n_head or (self.n_embd // self.n_head) % 2:
@@ -67,17 +66,17 @@ class Attention(nn.Module):
         self.proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=False)
         self.sp_group = sp_group
 
-    def forward(self, x, cos, sin, attn_fn, attn_kwargs):
-        B, S, _ = x.shape  # S = local tokens, S/P
-        qkv = self.qkv(x).view(B, S, -1, self.head_dim)  # (B, S/P, n_head + 2*n_kv_head, D)
-        q, k, v = qkv.split([self.n_head, self.n_kv_head, self.n_kv_head], 2)  # (B, S/P, n_head or n_kv_head, D)
+    def forward(self, x, cos, sin, attend):
+        B, S_local, _ = x.shape
+        qkv = self.qkv(x).view(B, S_local, -1, self.head_dim)  # (B, S_local, n_head + 2*n_kv_head, D)
+        q, k, v = qkv.split([self.n_head, self.n_kv_head, self.n_kv_head], 2)  # (B, S_local, heads, D) each
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # rotated by their global positions
-        y = ulysses_attention(q, k, v, self.sp_group, attn_fn, **attn_kwargs)  # (B, S/P, n_head, D)
-        return self.proj(y.reshape(B, S, -1))  # (B, S/P, h)
+        y = ulysses_attention(q, k, v, self.sp_group, attend)  # (B, S_local, n_head, D)
+        return self.proj(y.reshape(B, S_local, -1))  # (B, S_local, h)
 
 
 def mlp(x, fc_weight, proj_weight):
-    return F.linear(F.gelu(F.linear(x, fc_weight)), proj_weight)  # (B, S, h) -> (B, S, 4h) -> (B, S, h)
+    return F.linear(F.gelu(F.linear(x, fc_weight)), proj_weight)  # (B, s, h) -> (B, s, 4h) -> (B, s, h)
 
 
 class MLP(nn.Module):
@@ -98,8 +97,8 @@ class Block(nn.Module):
         self.norm1, self.attn = nn.RMSNorm(cfg.n_embd), Attention(cfg, sp_group)
         self.norm2, self.mlp = nn.RMSNorm(cfg.n_embd), MLP(cfg)
 
-    def forward(self, x, cos, sin, attn_fn, attn_kwargs):
-        x = x + self.attn(self.norm1(x), cos, sin, attn_fn, attn_kwargs)
+    def forward(self, x, cos, sin, attend):
+        x = x + self.attn(self.norm1(x), cos, sin, attend)
         return x + self.mlp(self.norm2(x))
 
 
@@ -119,10 +118,10 @@ class Head(nn.Module):
     def forward(self, x, labels=None):
         weights = (self.norm.weight, self.lm_head.weight)
         if labels is None:
-            return self.logits(x, *weights)  # (B, S/P, vocab)
+            return self.logits(x, *weights)  # (B, S_local, vocab)
         if self.tiles > 1:  # never holds more than one tile's logits
             return tiled_lm_loss(self.logits, x, labels, weights, self.tiles)
-        logits = self.logits(x, *weights)  # (B, S/P, vocab)
+        logits = self.logits(x, *weights)  # (B, S_local, vocab)
         loss_sum = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum")
         correct = (logits.argmax(-1) == labels).sum()  # a label of -100 never matches
         return loss_sum, correct
@@ -146,21 +145,21 @@ class GPT(nn.Module):
         return [self.embed, *self.blocks, self.head]
 
     def forward(self, idx, position_ids, labels=None, packed=False):
-        """idx, position_ids, labels: [B, S/P], this rank's tokens. position_ids are positions in the full
+        """idx, position_ids, labels: [B, S_local], this rank's tokens. position_ids are positions in the full
         sequence, or, with packed=True, in each document (0 where a document starts, and only there)."""
         window = self.cfg.window
         if packed:  # attention runs on the full sequence, so it needs the document starts of the full sequence
-            attn_fn, attn_kwargs = document_attention, {"position_ids": gather_sequence(position_ids, self.sp_group),
-                                                        "window": window}
+            attend = partial(document_attention, position_ids=gather_sequence(position_ids, self.sp_group),
+                             window=window)
         else:
-            attn_fn, attn_kwargs = (local_attention, {"window": window}) if window else (causal_attention, {})
-        x = self.embed(idx)  # (B, S/P, h)
+            attend = partial(local_attention, window=window) if window else causal_attention
+        x = self.embed(idx)  # (B, S_local, h)
         cos, sin = rope_cos_sin(position_ids, self.cfg.n_embd // self.cfg.n_head, self.cfg.rope_base)
         offload = self.cfg.offload and x.is_cuda  # ALST's trick: block inputs wait for backward in CPU memory
         for block in self.blocks:
-            if self.cfg.checkpoint:
+            if self.cfg.recompute:
                 with torch.autograd.graph.save_on_cpu(pin_memory=True) if offload else nullcontext():
-                    x = checkpoint(block, x, cos, sin, attn_fn, attn_kwargs, use_reentrant=False)
+                    x = torch.utils.checkpoint.checkpoint(block, x, cos, sin, attend, use_reentrant=False)
             else:
-                x = block(x, cos, sin, attn_fn, attn_kwargs)
+                x = block(x, cos, sin, attend)
         return self.head(x, labels)

@@ -11,10 +11,20 @@ Train a small GPT with Ulysses sequence parallelism (SP), data parallelism (DP) 
 
 The default data is a copy task: every sample is random tokens followed by the same tokens again, and only the
 copy is scored. Under SP the copy lives on other ranks than the original, so the task cannot be learned unless
-attention really crosses the sequence shards. One step, as in DESIGN.md:
-  batch of full sequences (same on every rank of an SP group) -> shift labels -> pad to a multiple of sp ->
-  keep my S/sp tokens with their global position ids -> forward/backward (attention does the all-to-alls) ->
-  loss = my token-loss sum / valid tokens of the whole global batch -> sum gradients over all ranks -> AdamW.
+attention really crosses the sequence shards.
+
+One optimizer step, on every rank of the dp x sp mesh (the code cites these numbers):
+  1. each DP rank draws its own micro-batches of full sequences; the sp ranks of an SP group draw the same ones;
+  2. the labels are shifted by one before any sharding (a shard's last label is the next shard's first token);
+  3. sequences are padded at the end to a multiple of sp (label -100), and SP rank r keeps tokens
+     [r*S/sp, (r+1)*S/sp) with their GLOBAL position ids (ulysses.shard_for_sp);
+  4. forward on the local tokens: embeddings, norms, MLP and loss per token, attention through two all-to-alls
+     per layer (ulysses.ulysses_attention);
+  5. loss = this rank's SUM of token losses / the valid tokens of the WHOLE global batch, all dp x sp ranks and
+     micro-steps (ulysses.global_valid_tokens); a batch without valid tokens gives 0, never NaN;
+  6. backward; gradients are SUMMED over all dp x sp ranks (ZeRO-3 reduce-scatters with SUM). With step 5 this
+     is exactly the gradient one device would compute on the global batch: no 1/sp or 1/dp factor anywhere;
+  7. clip by the global gradient norm; AdamW updates this rank's shard; the next forward gathers new weights.
 """
 
 import argparse
@@ -25,10 +35,13 @@ import os
 import shutil
 import time
 import traceback
+from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                     get_optimizer_state_dict, set_model_state_dict,
+                                                     set_optimizer_state_dict)
 from torch.distributed.device_mesh import init_device_mesh
 from tqdm import tqdm
 
@@ -64,9 +77,9 @@ def parse_args(argv=None):
                         "than one rank); 0: every rank holds everything, gradients all-reduced; fsdp2: PyTorch's "
                         "fully_shard on the same units and ranks")
     p.add_argument("--tiles", type=int, default=1, help="run the MLP and the loss over this many sequence tiles")
-    p.add_argument("--checkpoint", action="store_true", help="recompute each block in backward (activation "
-                   "checkpointing)")
-    p.add_argument("--offload", action="store_true", help="with --checkpoint on CUDA: keep block inputs in CPU "
+    p.add_argument("--recompute", action="store_true", help="keep only each block's input for backward and "
+                   "recompute the block there (activation checkpointing)")
+    p.add_argument("--offload", action="store_true", help="with --recompute on CUDA: keep those block inputs in CPU "
                    "memory until backward")
     p.add_argument("--out-dir", default=None, help="write checkpoints here (at the end, and every --save-every)")
     p.add_argument("--save-every", type=int, default=0, help="also checkpoint every this many steps")
@@ -77,79 +90,175 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def fail(message):
-    """A mistake the user can fix: one line (from rank 0 only), non-zero exit, before any collective can hang."""
-    raise SystemExit(f"train.py: error: {message}" if int(os.environ.get("RANK", 0)) == 0 else 1)
-
-
-def prepare(args, world_size):
-    """Check every flag, and read what the run needs from disk, before any process waits on another.
-    Returns (the text documents or None for the copy task, the checkpoint to resume from or None)."""
-    if args.sp is None:
-        args.sp = world_size
-    if args.n_kv_head is None:
-        args.n_kv_head = args.n_head
-    if args.zero is None:
-        args.zero = "3" if world_size > 1 else "0"
-    for name in ("seq_len", "batch_size", "grad_accum", "steps", "n_layer", "n_head", "n_kv_head", "n_embd", "tiles"):
-        if getattr(args, name) < 1:
-            fail(f"--{name.replace('_', '-')} {getattr(args, name)} must be at least 1")
-    if args.sp < 1 or world_size % args.sp:
-        choices = ", ".join(str(p) for p in range(1, world_size + 1) if world_size % p == 0)
-        fail(f"--sp {args.sp} does not divide the world size {world_size}; choose --sp in {{{choices}}}")
-    if args.seq_len < args.sp:
-        fail(f"--seq-len {args.seq_len} is smaller than --sp {args.sp}: every rank needs at least one token")
+def main(argv=None):
+    args = parse_args(argv)
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    check_args(args, world_size)  # every mistake is found before any process waits on another
+    documents = read_documents(args)
+    checkpoint = find_checkpoint(args, world_size)
+    owns_process_group = not dist.is_initialized()
+    device, mesh = setup(args, world_size)
     try:
-        GPTConfig(**{name: getattr(args, name) for name in MODEL_FIELDS})
-    except ValueError as e:
-        fail(e)
+        return train(args, world_size, mesh, device, documents, checkpoint)
+    finally:
+        if owns_process_group:
+            dist.destroy_process_group()
+
+
+def setup(args, world_size):
+    """Device, process group (with a timeout, so a dead peer ends the run) and the dp x sp mesh."""
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if args.device == "cuda":
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:  # the processes of one machine share its cores
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
+        device = torch.device("cpu")
+    if not dist.is_initialized():
+        backend, timeout = ("nccl" if device.type == "cuda" else "gloo"), datetime.timedelta(seconds=args.timeout)
+        if "MASTER_ADDR" in os.environ:  # torchrun
+            # The processes meet through a key-value store (torchrun's agent hosts it). After torchrun restarts the
+            # group, the store still holds the addresses of the processes that died; keys prefixed with the restart
+            # count keep the new processes from dialling the old ones.
+            rank, hosted = int(os.environ["RANK"]), os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+            store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
+                                  is_master=rank == 0 and not hosted, timeout=timeout)
+            store = dist.PrefixStore(f"restart_{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}", store)
+            dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout,
+                                    device_id=device if device.type == "cuda" else None)
+        else:  # plain `python train.py`: a group of one
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    mesh = init_device_mesh(device.type, (world_size // args.sp, args.sp), mesh_dim_names=("dp", "sp"))
+    return device, mesh  # mesh ranks = arange(world).view(dp, sp): an SP group is sp consecutive ranks
+
+
+def train(args, world_size, mesh, device, documents, checkpoint):
+    dp, sp_group = world_size // args.sp, mesh.get_group("sp")
+    rank, dp_rank = dist.get_rank(), mesh.get_local_rank("dp")
+
+    torch.manual_seed(args.seed)  # every rank builds the same initial model
+    model = GPT(model_config(args), sp_group=sp_group).to(device)
+    n_params = sum(p.numel() for p in model.parameters())
+    compute_dtype = torch.bfloat16 if device.type == "cuda" else None
+    zero = None  # ZeRO-3 and FSDP2 shard over every rank: the dp x sp mesh flattened, i.e. the world group
+    if args.zero == "3":
+        zero = ZeRO3(model, model.units(), group=dist.group.WORLD, compute_dtype=compute_dtype)
+    elif args.zero == "fsdp2":
+        fsdp2_shard(model, model.units(), dist.group.WORLD, compute_dtype=compute_dtype)
+    optimizer = torch.optim.AdamW(zero.parameters() if zero else model.parameters(), lr=args.lr, betas=(0.9, 0.95),
+                                  weight_decay=args.weight_decay)
+    start_step = restore(checkpoint, model, zero, optimizer, args, rank) if checkpoint else 0
+    if rank == 0:
+        print(f"world {world_size} = dp {dp} x sp {args.sp} | zero {args.zero} | {n_params / 1e6:.2f}M parameters | "
+              f"seq {args.seq_len} | global batch {dp * args.batch_size * args.grad_accum} sequences | {device}")
+
+    metrics = open_metrics(args, start_step) if rank == 0 else None
+    history, total_seconds, peak_bytes = [], 0.0, None
+    ulysses.reset_all_to_all_stats()
+    bar = tqdm(range(start_step, args.steps), disable=rank != 0, dynamic_ncols=True, initial=start_step,
+               total=args.steps)
+    step = start_step
     try:
-        ulysses.kv_heads_to_send(args.n_head, args.n_kv_head, args.sp)
-    except ValueError as e:
-        fits = [p for p in ulysses.sp_sizes(args.n_head, args.n_kv_head) if world_size % p == 0]
-        fail(f"{e}; with {world_size} ranks: --sp in {{{', '.join(map(str, fits))}}}")
-    if args.window < 0:
-        fail(f"--window {args.window} must be 0 (full attention) or a number of tokens")
-    documents = None
-    if args.data is not None:
-        if not os.path.isfile(args.data):
-            fail(f"--data {args.data}: no such file")
-        documents = text_documents(args.data, split=args.pack)
-        if not documents:
-            fail(f"--data {args.data} holds no text")
-        if not args.pack and sum(len(d) for d in documents) < args.seq_len + 1:
-            fail(f"--data {args.data} has {sum(len(d) for d in documents)} bytes of text; --seq-len {args.seq_len} "
-                 f"needs at least {args.seq_len + 1} (or use --pack)")
-    if args.device == "cuda" and not torch.cuda.is_available():
-        fail("--device cuda, but torch sees no CUDA device; choose --device cpu")
-    if (args.resume or args.save_every) and args.out_dir is None:
-        fail("--resume and --save-every need --out-dir")
-    if args.save_every < 0:
-        fail(f"--save-every {args.save_every} must be 0 (only at the end) or a number of steps")
-    if args.out_dir is not None and args.zero == "fsdp2":
-        fail("--out-dir with --zero fsdp2: this script checkpoints --zero 0 and 3 (for FSDP2 use "
-             "torch.distributed.checkpoint)")
-    if args.out_dir is not None:
-        try:
-            os.makedirs(args.out_dir, exist_ok=True)
-        except OSError as e:
-            fail(f"--out-dir {args.out_dir}: {e.strerror}")
-    metrics_dir = os.path.dirname(os.path.abspath(args.metrics)) if args.metrics else None
-    for flag, directory in (("--out-dir", args.out_dir), ("--metrics", metrics_dir)):
-        if directory is not None and not os.access(directory, os.W_OK):
-            fail(f"{flag}: cannot write into {directory}")
-    # torchrun restarting a failed group (--max-restarts) resumes from the newest checkpoint, if there is one
-    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0
-    newest = newest_checkpoint(args.out_dir) if args.out_dir is not None else None
-    if args.resume and newest is None:
-        fail(f"--resume: no complete checkpoint in --out-dir {args.out_dir}")
-    if newest is not None and not (args.resume or restarted):
-        fail(f"--out-dir {args.out_dir} already holds checkpoints; add --resume to continue from "
-             f"{os.path.basename(newest)}, or choose another directory")
-    return documents, read_checkpoint(newest, args, world_size) if newest is not None else None
+        for step in bar:
+            t0 = time.perf_counter()
+            micro_batches = [load_micro_batch(args, documents, step, micro, dp, dp_rank, sp_group, device)
+                             for micro in range(args.grad_accum)]
+            measure = device.type == "cpu" and step == args.steps - 1  # the last step; every step is alike
+            with memory_tracker(model, optimizer, zero) if measure else nullcontext() as tracker:
+                loss, accuracy, grad_norm, lr = train_step(step, micro_batches, model, zero, optimizer, args, tracker)
+            peak_bytes = tracker.get_tracker_snapshot("peak")[device]["Total"] if measure else peak_bytes
+            seconds = time.perf_counter() - t0
+            total_seconds += seconds
+            tokens = dp * args.grad_accum * args.batch_size * args.seq_len
+            history.append({"step": step + 1, "loss": loss, "grad_norm": grad_norm, "lr": lr, "tokens": tokens,
+                            "seconds": seconds, "accuracy": accuracy})
+            bar.set_postfix(loss=f"{loss:.4f}", acc=f"{accuracy:.3f}", tok_s=f"{tokens / seconds:.0f}")
+            if metrics:
+                metrics.write(json.dumps(history[-1]) + "\n")
+                metrics.flush()
+            if args.out_dir and (step + 1 == args.steps or args.save_every and (step + 1) % args.save_every == 0):
+                save_checkpoint(args, step + 1, model, zero, optimizer, world_size, rank)
+    except RuntimeError as e:
+        raise collective_failure(e, rank, step, args) from None
+    finally:
+        bar.close()
+        if metrics:
+            metrics.close()
+    if history:  # the last step's gradients are still there to be counted
+        summarize(args, history, total_seconds, model_state_bytes(optimizer), peak_bytes, n_params, world_size,
+                  device, rank)
+    return history
 
 
-# ----------------------------------------------------------------------------------------------------------------
+def train_step(step, micro_batches, model, zero, optimizer, args, tracker=None):
+    """One optimizer step on this rank's micro-batches of the global batch. Returns (loss, accuracy, grad_norm,
+    lr), the first three for the whole global batch. Leaves the gradients in place (the caller may count them)."""
+    device = micro_batches[0][0].device
+    optimizer.zero_grad(set_to_none=True)
+    # step 5: every micro-batch's loss sum is divided by the valid tokens of the whole global batch
+    valid = ulysses.global_valid_tokens([labels for _, labels, _ in micro_batches], dist.group.WORLD)
+    loss_sum = correct = 0
+    for inputs, labels, position_ids in micro_batches:
+        if tracker:  # it follows one forward per module; the peak of the whole step is kept
+            tracker.reset_mod_stats()
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            micro_loss_sum, micro_correct = model(inputs, position_ids, labels, packed=args.pack)
+        (micro_loss_sum / valid).backward()
+        loss_sum, correct = loss_sum + micro_loss_sum.detach(), correct + micro_correct
+    # step 6: gradients are summed over all dp x sp ranks. ZeRO-3 and FSDP2 reduce-scatter them with SUM during
+    # backward; without them, one all-reduce here.
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    if args.zero == "0":
+        flat_grads = torch.cat([p.grad.flatten() for p in params])
+        dist.all_reduce(flat_grads)
+        for p, g in zip(params, flat_grads.split([p.numel() for p in params])):
+            p.grad.copy_(g.view_as(p))
+    # step 7: clip, then update
+    max_norm = args.grad_clip if args.grad_clip > 0 else float("inf")
+    grad_norm = zero.clip_grad_norm_(max_norm) if zero else torch.nn.utils.clip_grad_norm_(params, max_norm)
+    grad_norm = (grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm).item()  # FSDP2: DTensor
+    totals = torch.stack([loss_sum, correct.float()])
+    dist.all_reduce(totals)
+    loss, accuracy = (totals / valid).tolist()
+    if not (math.isfinite(loss) and math.isfinite(grad_norm)):  # every rank sees the same, so all stop
+        fail(f"step {step + 1}: loss {loss}, gradient norm {grad_norm}; stopped before the update, so the last "
+             f"checkpoint stays the last good one")
+    lr = lr_at(step, args)
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    optimizer.step()
+    return loss, accuracy, grad_norm, lr
+
+
+def lr_at(step, args):
+    """Linear warmup, then cosine decay to 10% of the peak. A function of the step: resuming needs no state."""
+    warmup = max(1, args.steps // 10) if args.warmup is None else args.warmup
+    if step < warmup:
+        return args.lr * (step + 1) / warmup
+    progress = (step - warmup) / max(1, args.steps - warmup)
+    return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def load_micro_batch(args, documents, step, micro, dp, dp_rank, sp_group, device):
+    """Steps 1-3: this DP rank's full sequences of one micro-step (labels shifted by make_sample), then this SP
+    rank's shard of them: input ids, labels and global position ids, [batch_size, S_pad/sp] each."""
+    samples = [make_sample(args, documents, i) for i in global_batch_indices(step, micro, dp_rank, args, dp)]
+    full = [torch.stack(column) for column in zip(*samples)]  # inputs, labels, position_ids: (B, S) each
+    return [t.to(device) for t in ulysses.shard_for_sp(*full, sp_group)]  # (B, S_pad/sp) each
+
+
+def model_config(args):
+    return GPTConfig(**model_flags(args), tiles=args.tiles, recompute=args.recompute, offload=args.offload)
+
+
+def model_flags(args):
+    return {name: getattr(args, name) for name in MODEL_FIELDS}
+
+
+# ================================================================================================================
+# Below this line: what a reader may skip. Data generation, checkpoint files, failure handling and reporting.
+# ================================================================================================================
+
 # data: sample i depends only on (seed, i); the global batch of step t is samples [t*G, (t+1)*G) for every layout
 
 
@@ -170,6 +279,21 @@ def text_documents(path, split):
         raw = f.read()
     parts = [d for d in raw.split(b"\n\n") if d.strip()] if split else [raw] if raw else []
     return [torch.frombuffer(bytearray(d), dtype=torch.uint8).long() for d in parts]
+
+
+def read_documents(args):
+    """The text of --data (None for the copy task), checked before any process waits on another."""
+    if args.data is None:
+        return None
+    if not os.path.isfile(args.data):
+        fail(f"--data {args.data}: no such file")
+    documents = text_documents(args.data, split=args.pack)
+    if not documents:
+        fail(f"--data {args.data} holds no text")
+    if not args.pack and sum(len(d) for d in documents) < args.seq_len + 1:
+        fail(f"--data {args.data} has {sum(len(d) for d in documents)} bytes of text; --seq-len {args.seq_len} "
+             f"needs at least {args.seq_len + 1} (or use --pack)")
+    return documents
 
 
 def make_sample(args, documents, index):
@@ -205,34 +329,15 @@ def global_batch_indices(step, micro, dp_rank, args, dp):
     return range(start, start + args.batch_size)
 
 
-def shard_for_sp(inputs, labels, position_ids, sp_rank, sp):
-    """Full sequences [B, S] -> this rank's [B, S_pad/sp] inputs, labels and position ids.
-    Pads at the end to a multiple of sp (labels -100, positions counting on): nothing is dropped, and causal
-    attention keeps every real token from seeing the padding. Position ids are those of the full sequence:
-    rank r's first token is at position r*S_pad/sp (unless a document starts there), never at 0."""
-    B, S = inputs.shape
-    pad = -S % sp
-    inputs, labels = F.pad(inputs, (0, pad), value=0), F.pad(labels, (0, pad), value=-100)  # (B, S_pad)
-    position_ids = torch.cat([position_ids, position_ids[:, -1:] + torch.arange(1, pad + 1)], dim=1)  # (B, S_pad)
-    local = (S + pad) // sp
-    keep = slice(sp_rank * local, (sp_rank + 1) * local)
-    return inputs[:, keep], labels[:, keep], position_ids[:, keep]  # (B, S_pad/sp) each
-
-
-def load_micro_batch(step, micro, args, documents, dp, dp_rank, sp_rank, device):
-    samples = [make_sample(args, documents, i) for i in global_batch_indices(step, micro, dp_rank, args, dp)]
-    full = [torch.stack(column) for column in zip(*samples)]  # inputs, labels, position_ids: (B, S)
-    return [t.to(device) for t in shard_for_sp(*full, sp_rank, args.sp)]
-
-
 # ----------------------------------------------------------------------------------------------------------------
-# checkpoints: DIR/step_000020/{trainer.pt, model.pt, optimizer_rank00000.pt, ...}. Written into step_000020.tmp
-# and renamed when every rank has written its part, so a directory without .tmp is always complete.
+# checkpoints: DIR/step_000020/{trainer.pt, model.pt, optimizer.pt}, each whole (not sharded), keyed by parameter
+# name, so any layout can resume any checkpoint. Rank 0 writes step_000020.tmp and renames it when complete, so a
+# directory without .tmp is always whole.
 
 
 def newest_checkpoint(out_dir):
-    steps = [int(name[5:]) for name in os.listdir(out_dir) if name.startswith("step_") and name[5:].isdigit()] \
-        if os.path.isdir(out_dir) else []
+    names = os.listdir(out_dir) if os.path.isdir(out_dir) else []
+    steps = [int(name[5:]) for name in names if name.startswith("step_") and name[5:].isdigit()]
     return os.path.join(out_dir, f"step_{max(steps):06d}") if steps else None
 
 
@@ -243,11 +348,23 @@ def data_flags(args, world_size):
             "pack": args.pack}
 
 
-def read_checkpoint(path, args, world_size):
-    """Load and check, before any process waits on another, everything this rank will need from a checkpoint:
-    (trainer state, whole-model state dict, this rank's optimizer and RNG state, or None on another layout)."""
-    rank = int(os.environ.get("RANK", 0))
+def find_checkpoint(args, world_size):
+    """The checkpoint this run continues from, read and checked whole (None: start afresh). --resume asks for one;
+    a group that torchrun restarted (--max-restarts) takes the newest one by itself."""
+    if args.out_dir is None:
+        return None
+    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0
+    newest = newest_checkpoint(args.out_dir)
+    if args.resume and newest is None:
+        fail(f"--resume: no complete checkpoint in --out-dir {args.out_dir}")
+    if newest is not None and not (args.resume or restarted):
+        fail(f"--out-dir {args.out_dir} already holds checkpoints; add --resume to continue from "
+             f"{os.path.basename(newest)}, or choose another directory")
+    return read_checkpoint(newest, args, world_size) if newest is not None else None
 
+
+def read_checkpoint(path, args, world_size):
+    """(trainer state, model state, optimizer state), each file loaded and checked."""
     def load(name):
         try:
             return torch.load(os.path.join(path, name), weights_only=True)
@@ -255,80 +372,153 @@ def read_checkpoint(path, args, world_size):
             fail(f"checkpoint {path} is unreadable (truncated, or not written by train.py): {name}: "
                  f"{str(e).splitlines()[0][:100]}")
     trainer = load("trainer.pt")
-    if not (isinstance(trainer, dict) and {"step", "world_size", "zero", "model", "data"} <= trainer.keys()):
+    if not (isinstance(trainer, dict) and {"step", "world_size", "zero", "model", "data", "rng"} <= trainer.keys()):
         fail(f"checkpoint {path} is unreadable (truncated, or not written by train.py): trainer.pt: no trainer state")
-    mine = {name: getattr(args, name) for name in MODEL_FIELDS}
-    if trainer["model"] != mine:
-        fail(f"checkpoint {path} holds a model with {trainer['model']}; the flags ask for {mine}")
-    same_layout = trainer["world_size"] == world_size and trainer["zero"] == args.zero
-    own = load(f"optimizer_rank{rank:05d}.pt") if same_layout else None
-    if rank == 0 and trainer["data"] != data_flags(args, world_size):
+    if trainer["model"] != model_flags(args):
+        fail(f"checkpoint {path} holds a model with {trainer['model']}; the flags ask for {model_flags(args)}")
+    if int(os.environ.get("RANK", 0)) == 0 and trainer["data"] != data_flags(args, world_size):
         print(f"note: the checkpoint was trained with {trainer['data']}; this run has {data_flags(args, world_size)}, "
               f"so its steps will not repeat the original run's")
     trainer["path"] = path
-    return trainer, load("model.pt"), own
+    return trainer, load("model.pt"), load("optimizer.pt")
 
 
-def save_checkpoint(args, step, model_state, optimizer, world_size, rank):
-    final = os.path.join(args.out_dir, f"step_{step:06d}")
-    tmp = final + ".tmp"
+def whole_state(model, zero, optimizer):
+    """The model's and AdamW's state, whole, by parameter name, on CPU (on rank 0; collectives on every rank).
+    AdamW's is torch.distributed.checkpoint's full optimizer state dict: {"state": {name: {"step", "exp_avg",
+    "exp_avg_sq"}}, "param_groups": [...]}; ZeRO3 writes the same from its flat shards."""
+    if zero:
+        return zero.state_dict(), zero.optimizer_state_dict(optimizer)
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)  # FSDP2 and plain modules alike
+    return get_model_state_dict(model, options=options), get_optimizer_state_dict(model, optimizer, options=options)
+
+
+def save_checkpoint(args, step, model, zero, optimizer, world_size, rank):
+    model_state, optimizer_state = whole_state(model, zero, optimizer)
     if rank == 0:
+        final = os.path.join(args.out_dir, f"step_{step:06d}")
+        tmp = final + ".tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
-    dist.barrier()
-    # each rank its own optimizer state (a shard under ZeRO-3) and RNG state (nothing draws from it after the
-    # model is built, but a model with dropout would); the step fixes the data position and the LR schedule
-    torch.save({"optimizer": optimizer.state_dict(), "rng": torch.get_rng_state()},
-               os.path.join(tmp, f"optimizer_rank{rank:05d}.pt"))
-    if rank == 0:
-        torch.save(model_state, os.path.join(tmp, "model.pt"))  # whole, unsharded: loads on any layout
+        torch.save(model_state, os.path.join(tmp, "model.pt"))
+        torch.save(optimizer_state, os.path.join(tmp, "optimizer.pt"))
+        # the step fixes the data position and the LR schedule; every rank drew the same random numbers so far
         torch.save({"step": step, "world_size": world_size, "zero": args.zero, "data": data_flags(args, world_size),
-                    "model": {name: getattr(args, name) for name in MODEL_FIELDS}},
-                   os.path.join(tmp, "trainer.pt"))
-    dist.barrier()
-    if rank == 0:
+                    "model": model_flags(args), "rng": torch.get_rng_state()}, os.path.join(tmp, "trainer.pt"))
         os.replace(tmp, final)  # atomic: the checkpoint exists whole or not at all
     dist.barrier()
 
 
-def restore(resume_from, model, zero, optimizer, args, world_size, rank):
-    """Load a checkpoint into this run. Returns the number of steps already done."""
-    trainer, model_state, own = resume_from
-    (zero or model).load_state_dict(model_state)  # ZeRO-3 cuts its shards for this run's ranks
-    if own is not None:  # the same layout: this rank's optimizer shard fits
-        optimizer.load_state_dict(own["optimizer"])
-        torch.set_rng_state(own["rng"])
+def restore(checkpoint, model, zero, optimizer, args, rank):
+    """Load a checkpoint written on any layout into this run. Returns the number of steps already done."""
+    trainer, model_state, optimizer_state = checkpoint
+    if zero:  # ZeRO-3 cuts its own shards of the whole tensors for this run's ranks
+        zero.load_state_dict(model_state)
+        zero.load_optimizer_state_dict(optimizer, optimizer_state)
+    else:  # plain modules, and FSDP2's DTensor shards
+        options = StateDictOptions(full_state_dict=True)
+        set_model_state_dict(model, model_state, options=options)
+        set_optimizer_state_dict(model, optimizer, optimizer_state, options=options)
+    torch.set_rng_state(trainer["rng"])
     if rank == 0:
-        carried = "model, optimizer state" if own is not None else (
-            f"model only: it was written by {trainer['world_size']} ranks with --zero {trainer['zero']}, this run "
-            f"has {world_size} with --zero {args.zero}, so AdamW's state starts again from zero")
-        print(f"resuming from {trainer['path']} after step {trainer['step']}: {carried}")
+        print(f"resuming from {trainer['path']} after step {trainer['step']} (written by {trainer['world_size']} "
+              f"ranks with --zero {trainer['zero']}): model and AdamW state carried over")
     return trainer["step"]
 
 
+def open_metrics(args, start_step):
+    """The --metrics file, or None. A resumed run keeps the lines up to its checkpoint and writes the rest anew."""
+    if not args.metrics:
+        return None
+    kept = []
+    if start_step and os.path.exists(args.metrics):
+        with open(args.metrics) as f:
+            kept = [line for line in f if json.loads(line)["step"] <= start_step]
+    metrics = open(args.metrics, "w")
+    metrics.writelines(kept)
+    return metrics
+
+
 # ----------------------------------------------------------------------------------------------------------------
+# mistakes and failures: one line, non-zero exit, and never a hang
 
 
-def lr_at(step, args):
-    """Linear warmup, then cosine decay to 10% of the peak. A function of the step: resuming needs no state."""
-    warmup = max(1, args.steps // 10) if args.warmup is None else args.warmup
-    if step < warmup:
-        return args.lr * (step + 1) / warmup
-    progress = (step - warmup) / max(1, args.steps - warmup)
-    return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+def fail(message):
+    """A mistake the user can fix: one line (from rank 0 only), non-zero exit, before any collective can hang."""
+    raise SystemExit(f"train.py: error: {message}" if int(os.environ.get("RANK", 0)) == 0 else 1)
 
 
-def all_to_all_bytes_formula(args, element_bytes):
-    """Bytes one rank sends per optimizer step: per layer and micro-step, q, k, v and the output are each
-    [B, S/P, heads, D] and (P-1)/P of each leaves the rank; backward sends the same again, and with
-    --checkpoint the forward runs twice (once more inside backward)."""
-    P = args.sp
-    S_pad = math.ceil(args.seq_len / P) * P
-    kv_sent = ulysses.kv_heads_to_send(args.n_head, args.n_kv_head, P)
-    head_dim = args.n_embd // args.n_head
-    per_layer = args.batch_size * (S_pad // P) * head_dim * (2 * args.n_head + 2 * kv_sent) * (P - 1) // P
-    passes = 3 if args.checkpoint else 2
-    return passes * args.n_layer * args.grad_accum * per_layer * element_bytes
+def check_args(args, world_size):
+    """Fill in the defaults that depend on the world size, and refuse every flag value a run cannot use."""
+    args.sp = world_size if args.sp is None else args.sp
+    args.n_kv_head = args.n_head if args.n_kv_head is None else args.n_kv_head
+    args.zero = ("3" if world_size > 1 else "0") if args.zero is None else args.zero
+    for name in ("seq_len", "batch_size", "grad_accum", "steps", "n_layer", "n_head", "n_kv_head", "n_embd", "tiles"):
+        if getattr(args, name) < 1:
+            fail(f"--{name.replace('_', '-')} {getattr(args, name)} must be at least 1")
+    if args.sp < 1 or world_size % args.sp:
+        choices = ", ".join(str(p) for p in range(1, world_size + 1) if world_size % p == 0)
+        fail(f"--sp {args.sp} does not divide the world size {world_size}; choose --sp in {{{choices}}}")
+    if args.seq_len < args.sp:
+        fail(f"--seq-len {args.seq_len} is smaller than --sp {args.sp}: every rank needs at least one token")
+    try:
+        model_config(args)
+        ulysses.head_layout(args.n_head, args.n_kv_head, args.sp)
+    except ValueError as e:
+        fail(e)
+    if args.window < 0:
+        fail(f"--window {args.window} must be 0 (full attention) or a number of tokens")
+    if args.offload and not args.recompute:
+        fail("--offload keeps the block inputs that --recompute saves in CPU memory; add --recompute")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        fail("--device cuda, but torch sees no CUDA device; choose --device cpu")
+    if (args.resume or args.save_every) and args.out_dir is None:
+        fail("--resume and --save-every need --out-dir")
+    if args.save_every < 0:
+        fail(f"--save-every {args.save_every} must be 0 (only at the end) or a number of steps")
+    if args.out_dir is not None:
+        try:
+            os.makedirs(args.out_dir, exist_ok=True)
+        except OSError as e:
+            fail(f"--out-dir {args.out_dir}: {e.strerror}")
+    metrics_dir = os.path.dirname(os.path.abspath(args.metrics)) if args.metrics else None
+    for flag, directory in (("--out-dir", args.out_dir), ("--metrics", metrics_dir)):
+        if directory is not None and not os.access(directory, os.W_OK):
+            fail(f"{flag}: cannot write into {directory}")
+
+
+def collective_failure(error, rank, step, args):
+    """A collective that failed (a peer died, or waited past --timeout) as one line naming it; other errors as
+    they are."""
+    frames = traceback.extract_tb(error.__traceback__)
+    names = [f.name for f in frames if f.filename.endswith("distributed_c10d.py")]
+    message = str(error).lower()
+    if names:
+        collective = names[-1]
+    elif "gloo" in message or "nccl" in message:
+        collective = f"the collective waited on at {os.path.basename(frames[-1].filename)}:{frames[-1].lineno}"
+    else:
+        return error
+    return SystemExit(f"train.py: error: rank {rank}, step {step + 1}: {collective} failed (a peer process died, or "
+                      f"waited longer than --timeout {args.timeout:g} s): {str(error).splitlines()[0]}")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# reporting
+
+
+def all_to_all_bytes_formula(args, element_bytes, rank=0):
+    """Bytes `rank` sends per optimizer step: per layer and micro-step, q, k and v go to the heads of every other
+    rank and the output comes back (ulysses.all_to_all_bytes for each); backward sends the reverse, and with
+    --recompute the forward runs twice (once more inside backward)."""
+    query_heads, kv_heads = ulysses.head_layout(args.n_head, args.n_kv_head, args.sp)
+    tokens = args.batch_size * math.ceil(args.seq_len / args.sp)  # local tokens per micro-step
+    per_token_and_head = args.n_embd // args.n_head * element_bytes
+    q_to_heads, q_to_seq = ulysses.all_to_all_bytes(query_heads, rank, tokens * per_token_and_head)
+    kv_to_heads, kv_to_seq = ulysses.all_to_all_bytes(kv_heads, rank, tokens * per_token_and_head)
+    forward = q_to_heads + 2 * kv_to_heads + q_to_seq  # q, k, v there; the output back
+    backward = q_to_heads + q_to_seq + 2 * kv_to_seq  # the output's gradient there; q's, k's and v's back
+    return args.n_layer * args.grad_accum * ((2 if args.recompute else 1) * forward + backward)
 
 
 def model_state_bytes(optimizer):
@@ -349,173 +539,6 @@ def memory_tracker(model, optimizer, zero):
     tracker = MemTracker()
     tracker.track_external(model, optimizer, *([u.full for u in zero.units] if zero else []))
     return tracker
-
-
-def failed_collective(error):
-    """The name of the collective an exception came out of, or None if it did not come from one."""
-    frames = traceback.extract_tb(error.__traceback__)
-    names = [f.name for f in frames if f.filename.endswith("distributed_c10d.py")]
-    if names:
-        return names[-1]
-    message = str(error).lower()
-    if "gloo" in message or "nccl" in message:
-        return f"the collective waited on at {os.path.basename(frames[-1].filename)}:{frames[-1].lineno}"
-    return None
-
-
-def setup(args, world_size):
-    """Device, process group (with a timeout, so a dead peer ends the run) and the dp x sp mesh."""
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    if args.device == "cuda":
-        torch.cuda.set_device(local_rank)
-        device = torch.device("cuda", local_rank)
-    else:  # the processes of one machine share its cores
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
-        device = torch.device("cpu")
-    if not dist.is_initialized():
-        backend, timeout = ("nccl" if device.type == "cuda" else "gloo"), datetime.timedelta(seconds=args.timeout)
-        if "MASTER_ADDR" in os.environ:  # torchrun
-            # The processes meet through a key-value store (torchrun's agent hosts it). After torchrun restarts the
-            # group, the store still holds the addresses of the processes that died; keys prefixed with the restart
-            # count keep the new processes from dialling the old ones.
-            rank, hosted = int(os.environ["RANK"]), os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-            store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
-                                  is_master=rank == 0 and not hosted, timeout=timeout)
-            store = dist.PrefixStore(f"restart_{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}", store)
-            dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout,
-                                    device_id=device if device.type == "cuda" else None)
-        else:  # plain `python train.py`: a group of one
-            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
-    mesh = init_device_mesh(device.type, (world_size // args.sp, args.sp), mesh_dim_names=("dp", "sp"))
-    return device, mesh  # mesh ranks = arange(world).view(dp, sp): an SP group is sp consecutive ranks
-
-
-def main(argv=None):
-    args = parse_args(argv)
-    world_size = int(os.environ.get("WORLD_SIZE", 1))
-    documents, resume_from = prepare(args, world_size)
-    owns_process_group = not dist.is_initialized()
-    device, mesh = setup(args, world_size)
-    try:
-        return train(args, world_size, documents, resume_from, device, mesh)
-    finally:
-        if owns_process_group:
-            dist.destroy_process_group()
-
-
-def train_step(step, micro_batches, model, zero, optimizer, args, tracker=None):
-    """One optimizer step on this rank's micro-batches of the global batch. Returns (loss, accuracy, grad_norm,
-    lr), the first three for the whole global batch. Leaves the gradients in place (the caller may count them)."""
-    device = micro_batches[0][0].device
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    optimizer.zero_grad(set_to_none=True)
-    # DESIGN.md step 7: divide by the valid tokens of the WHOLE global batch (all ranks, all micro-steps)
-    valid = sum((labels != -100).sum() for _, labels, _ in micro_batches).to(device)  # int64
-    dist.all_reduce(valid)
-    loss_sum, correct = torch.zeros((), device=device), torch.zeros((), device=device)
-    for inputs, labels, position_ids in micro_batches:
-        if tracker:  # it follows one forward per module; the peak of the whole step is kept
-            tracker.reset_mod_stats()
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda"):
-            micro_loss_sum, micro_correct = model(inputs, position_ids, labels, packed=args.pack)
-        (micro_loss_sum / valid.clamp(min=1)).backward()  # a rank or batch with no valid token adds 0
-        loss_sum += micro_loss_sum.detach()
-        correct += micro_correct
-    # DESIGN.md step 8: SUM gradients over all dp x sp ranks: this is then the single-device gradient.
-    # ZeRO-3 and FSDP2 reduce-scatter with SUM during backward; without them, one all-reduce here.
-    if args.zero == "0":
-        flat_grads = torch.cat([p.grad.flatten() for p in params])
-        dist.all_reduce(flat_grads)
-        for p, g in zip(params, flat_grads.split([p.numel() for p in params])):
-            p.grad.copy_(g.view_as(p))
-    max_norm = args.grad_clip if args.grad_clip > 0 else float("inf")
-    grad_norm = zero.clip_grad_norm_(max_norm) if zero else torch.nn.utils.clip_grad_norm_(params, max_norm)
-    grad_norm = (grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm).item()  # FSDP2: DTensor
-    totals = torch.stack([loss_sum, correct.float()])
-    dist.all_reduce(totals)
-    loss, accuracy = (totals / valid.clamp(min=1)).tolist()
-    if not (math.isfinite(loss) and math.isfinite(grad_norm)):  # every rank sees the same, so all stop
-        fail(f"step {step + 1}: loss {loss}, gradient norm {grad_norm}; stopped before the update, so the last "
-             f"checkpoint stays the last good one")
-    lr = lr_at(step, args)
-    for group in optimizer.param_groups:
-        group["lr"] = lr
-    optimizer.step()
-    return loss, accuracy, grad_norm, lr
-
-
-def train(args, world_size, documents, resume_from, device, mesh):
-    dp, sp_group = world_size // args.sp, mesh.get_group("sp")
-    rank, dp_rank, sp_rank = dist.get_rank(), mesh.get_local_rank("dp"), mesh.get_local_rank("sp")
-
-    torch.manual_seed(args.seed)  # every rank builds the same initial model
-    cfg = GPTConfig(**{name: getattr(args, name) for name in MODEL_FIELDS}, tiles=args.tiles,
-                    checkpoint=args.checkpoint, offload=args.offload)
-    model = GPT(cfg, sp_group=sp_group).to(device)
-    n_params = sum(p.numel() for p in model.parameters())
-    compute_dtype = torch.bfloat16 if device.type == "cuda" else None
-    zero = None  # ZeRO-3 and FSDP2 shard over every rank: the dp x sp mesh flattened, i.e. the world group
-    if args.zero == "3":
-        zero = ZeRO3(model, model.units(), group=dist.group.WORLD, compute_dtype=compute_dtype)
-    elif args.zero == "fsdp2":
-        fsdp2_shard(model, model.units(), dist.group.WORLD, compute_dtype=compute_dtype)
-    params = zero.parameters() if zero else list(model.parameters())
-    optimizer = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
-    start_step = restore(resume_from, model, zero, optimizer, args, world_size, rank) if resume_from else 0
-    if rank == 0:
-        print(f"world {world_size} = dp {dp} x sp {args.sp} | zero {args.zero} | {n_params / 1e6:.2f}M parameters | "
-              f"seq {args.seq_len} | global batch {dp * args.batch_size * args.grad_accum} sequences | {device}")
-
-    metrics_file = None
-    if args.metrics and rank == 0:  # a resumed run keeps the lines up to its checkpoint and writes the rest anew
-        kept = [line for line in open(args.metrics)
-                if json.loads(line)["step"] <= start_step] if start_step and os.path.exists(args.metrics) else []
-        metrics_file = open(args.metrics, "w")
-        metrics_file.writelines(kept)
-    history, total_seconds, peak_bytes = [], 0.0, None
-    ulysses.reset_all_to_all_stats()
-    bar = tqdm(range(start_step, args.steps), disable=rank != 0, dynamic_ncols=True, initial=start_step,
-               total=args.steps)
-    step = start_step
-    try:
-        for step in bar:
-            t0 = time.perf_counter()
-            micro_batches = [load_micro_batch(step, m, args, documents, dp, dp_rank, sp_rank, device)
-                             for m in range(args.grad_accum)]
-            if device.type == "cpu" and step == args.steps - 1:  # measure the last step: every step is alike
-                with memory_tracker(model, optimizer, zero) as tracker:
-                    loss, accuracy, grad_norm, lr = train_step(step, micro_batches, model, zero, optimizer, args,
-                                                               tracker)
-                peak_bytes = tracker.get_tracker_snapshot("peak")[device]["Total"]
-            else:
-                loss, accuracy, grad_norm, lr = train_step(step, micro_batches, model, zero, optimizer, args)
-            seconds = time.perf_counter() - t0
-            total_seconds += seconds
-            tokens = dp * args.grad_accum * args.batch_size * args.seq_len
-            record = {"step": step + 1, "loss": loss, "grad_norm": grad_norm, "lr": lr, "tokens": tokens,
-                      "seconds": seconds, "accuracy": accuracy}
-            history.append(record)
-            bar.set_postfix(loss=f"{loss:.4f}", acc=f"{accuracy:.3f}", tok_s=f"{tokens / seconds:.0f}")
-            if metrics_file:
-                metrics_file.write(json.dumps(record) + "\n")
-                metrics_file.flush()
-            if args.out_dir and (step + 1 == args.steps or args.save_every and (step + 1) % args.save_every == 0):
-                model_state = zero.state_dict() if zero else model.state_dict()
-                save_checkpoint(args, step + 1, model_state, optimizer, world_size, rank)
-    except RuntimeError as e:
-        collective = failed_collective(e)
-        if collective is None:
-            raise
-        raise SystemExit(f"train.py: error: rank {rank}, step {step + 1}: {collective} failed (a peer process died, "
-                         f"or waited longer than --timeout {args.timeout:g} s): {str(e).splitlines()[0]}")
-    finally:
-        bar.close()
-        if metrics_file:
-            metrics_file.close()
-    if history:  # the last step's gradients are still there to be counted
-        summarize(args, history, total_seconds, model_state_bytes(optimizer), peak_bytes, n_params, world_size,
-                  device, rank)
-    return history
 
 
 def summarize(args, history, total_seconds, state_bytes, peak_bytes, n_params, world_size, device, rank):
@@ -539,7 +562,7 @@ def summarize(args, history, total_seconds, state_bytes, peak_bytes, n_params, w
           f"/ {world_size} ranks = {mib(16 * n_params / world_size)}")
     how = "torch.cuda.max_memory_allocated" if device.type == "cuda" else "MemTracker, last step"
     print(f"peak tensor memory per rank (max over ranks, {how}): {mib(peaks[0].item())}")
-    print(f"all-to-all per rank per step: {measured:,.0f} bytes sent (formula {formula:,} bytes); calls per layer "
+    print(f"all-to-all of rank 0 per step: {measured:,.0f} bytes sent (formula {formula:,} bytes); calls per layer "
           f"per micro-step: {sent['forward']['calls'] / micro_layers:g} forward, "
           f"{sent['backward']['calls'] / micro_layers:g} backward")
 

@@ -1,21 +1,29 @@
 """
-Ulysses sequence parallelism: attention over a sequence that no single rank holds.
+Ulysses sequence parallelism: the whole contract in one file.
 
 Each of the P ranks of a sequence-parallel (SP) group holds S/P consecutive tokens of every sequence, with
 all H attention heads. Attention needs the whole sequence, but each head is independent of the others. So one
-all-to-all trades the split: afterwards every rank holds the WHOLE sequence for H/P of the heads, runs any
-ordinary attention kernel on it, and a second all-to-all trades back.
+all-to-all trades the split: afterwards every rank holds the WHOLE sequence for its share of the heads, runs
+any ordinary attention kernel on it, and a second all-to-all trades back.
 
     rank r holds          all-to-all          rank r holds              all-to-all        rank r holds
     tokens r, all heads  ------------->  all tokens, heads r  --attn-->  ------------->  tokens r, all heads
-    [B, S/P, H, D]       seq_to_heads       [B, S, H/P, D]              heads_to_seq      [B, S/P, H, D]
+    [B, S/P, H, D]       seq_to_heads       [B, S, H_r, D]              heads_to_seq      [B, S/P, H, D]
 
-Each rank sends (P-1)/P of its local tensor, so the bytes per rank and link fall as 1/P when P grows with S
+Each rank sends (P-1)/P of its local tensor, so the bytes per rank and link stay constant when P grows with S
 (Megatron-style SP all-gathers the full activation instead). The backward of an all-to-all is the opposite
 all-to-all, so training costs the same traffic again.
 
-This file depends on torch alone: copy it into your own project. The bytes it sends are counted in
-`all_to_all_stats`, so a training script can print what was really sent.
+Four rules make training on P ranks equal to training on one device, and this file holds all four:
+  1. shift the labels by one BEFORE sharding (the label of a shard's last token lives on the next rank);
+  2. pad every sequence at its end to a multiple of P, give rank r tokens [r*S/P, (r+1)*S/P), and keep the
+     GLOBAL position ids of those tokens (RoPE and document boundaries need them): `shard_for_sp`;
+  3. attention over the full sequence: `ulysses_attention` (everything else in a transformer is per token);
+  4. divide each rank's SUM of token losses by the valid tokens of the WHOLE global batch
+     (`global_valid_tokens`), and SUM the gradients over all ranks (data- and sequence-parallel alike).
+
+It depends on torch alone: copy it into your own project. The bytes it sends are counted in `all_to_all_stats`.
+`python ulysses.py` benchmarks it against the alternatives (see the end of the file).
 """
 
 import torch
@@ -27,6 +35,95 @@ try:  # optional: flash-attn's kernels take the [B, S, H, D] layout as it is
 except ImportError:
     flash_attn_func = flash_attn_varlen_func = None
 
+
+def _size_and_rank(group):
+    return (1, 0) if group is None else (dist.get_world_size(group), dist.get_rank(group))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# rules 1, 2 and 4: the batch and the loss
+
+
+def shard_for_sp(input_ids, labels, position_ids, group=None):
+    """Full sequences [B, S] -> this rank's [B, S_pad/P] input ids, labels and position ids.
+
+    labels must already be shifted (labels[:, i] is the token after input_ids[:, i], or -100). Pads at the end
+    to a multiple of P (input 0, label -100, positions counting on), so nothing is dropped and causal attention
+    keeps every real token from seeing the padding. Position ids are those of the full sequence: rank r's first
+    token is at position r*S_pad/P (unless a document starts there), never 0. group=None: one rank.
+    """
+    P, rank = _size_and_rank(group)
+    pad = -input_ids.shape[1] % P
+    input_ids, labels = F.pad(input_ids, (0, pad), value=0), F.pad(labels, (0, pad), value=-100)  # (B, S_pad)
+    counting_on = position_ids[:, -1:] + torch.arange(1, pad + 1, device=position_ids.device)  # (B, pad)
+    position_ids = torch.cat([position_ids, counting_on], dim=1)  # (B, S_pad)
+    return tuple(t.chunk(P, dim=1)[rank] for t in (input_ids, labels, position_ids))  # (B, S_pad/P) each
+
+
+def global_valid_tokens(labels, group=None):
+    """The number of labelled tokens (label != -100) in the whole global batch, as an int64 tensor: labels is
+    this rank's [B, S_local] tensor or a list of them (one per gradient-accumulation micro-step), group holds
+    every rank of the batch (all data- and sequence-parallel ranks; None: this process alone).
+
+    Each rank divides the SUM of its token losses by this number, so the gradients, summed over the ranks,
+    are those of the mean loss over the global batch. Never 0: a batch without labels gives loss 0, not NaN."""
+    labels = [labels] if torch.is_tensor(labels) else labels
+    count = sum((l != -100).sum() for l in labels)  # () int64
+    if _size_and_rank(group)[0] > 1:
+        dist.all_reduce(count, group=group)
+    return count.clamp(min=1)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# which heads each rank holds
+
+
+def head_layout(n_head, n_kv_head, P):
+    """The heads each rank of an SP group of P holds between the two all-to-alls: (query_heads, kv_heads), two
+    lists of P ranges. Any P <= n_head works, with any n_kv_head that divides n_head.
+
+    Query heads go out in contiguous runs, as even as possible: the first n_head % P ranks get one more. Each
+    rank gets exactly the key/value heads its query heads use (query head h uses kv head h // (n_head /
+    n_kv_head)), so a kv head whose query heads land on several ranks is sent to each of them, and no rank gets
+    one it does not use. For 6 query heads, 2 kv heads and P = 4:
+
+        query heads    0 1 | 2 3 | 4 | 5        6 % 4 = 2: ranks 0 and 1 hold two heads, ranks 2 and 3 one
+        kv head used   0 0 | 0 1 | 1 | 1        query head h uses kv head h // 3
+        rank             0 |   1 | 2 | 3
+        kv heads held    0 | 0 1 | 1 | 1        kv head 0 goes to ranks 0 and 1, kv head 1 to ranks 1, 2, 3
+
+    With P dividing n_head and n_kv_head this is the plain even split; with P a multiple of n_kv_head every
+    rank gets one kv head (replication); and in every case the all-to-all sends exactly these heads.
+    """
+    if n_head % n_kv_head:
+        raise ValueError(f"n_head={n_head} is not a multiple of n_kv_head={n_kv_head}")
+    if P > n_head:
+        raise ValueError(f"sp={P} is larger than n_head={n_head}: a rank would hold no head; "
+                         f"choose sp in {{{', '.join(map(str, range(1, n_head + 1)))}}}")
+    per_kv = n_head // n_kv_head  # query heads per kv head
+    base, extra = divmod(n_head, P)
+    starts = [r * base + min(r, extra) for r in range(P + 1)]
+    query_heads = [range(a, b) for a, b in zip(starts, starts[1:])]
+    kv_heads = [range(q.start // per_kv, (q.stop - 1) // per_kv + 1) for q in query_heads]
+    return query_heads, kv_heads
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the all-to-all
+#
+# One all_to_all_single moves any number of tensors, each cut along its own ranges. Between the two
+# all-to-alls, the full-sequence tensors are stored head-major, [B, heads, S, D], the layout attention kernels
+# read, and handed on as their [B, S, heads, D] view. For seq_to_heads of q, k, v on rank 0 of P = 2 (t0, t1:
+# the two token halves; h0, h1: the heads ranks 0 and 1 hold):
+#
+#     send buffer     [ q[t0,h1] | k[t0,h1] | v[t0,h1] ]      one copy in, already in send order
+#     all-to-all        (what stays on this rank, q[t0,h0] ..., never enters the buffers)
+#     receive buffer  [ q[t1,h0] | k[t1,h0] | v[t1,h0] ]
+#     q [B, h0, S, D] = q[t0,h0] (copied while the buffers travel), q[t1,h0] (copied when they arrive)
+#
+# So every element is copied once on its way in and once on its way out; heads_to_seq and both backwards do
+# the same with the roles of tokens and heads swapped.
+
 # what this process has sent to other ranks: {"forward"|"backward": {"calls": int, "bytes": int}}
 all_to_all_stats = {"forward": {"calls": 0, "bytes": 0}, "backward": {"calls": 0, "bytes": 0}}
 
@@ -36,42 +133,145 @@ def reset_all_to_all_stats():
         counts["calls"], counts["bytes"] = 0, 0
 
 
-def _all_to_all(x, group, scatter_dim, gather_dim, direction):
-    """Split x into P chunks along scatter_dim, send chunk j to rank j, concatenate the P received chunks
-    along gather_dim (chunk i came from rank i). One collective call."""
-    P = dist.get_world_size(group)
-    # seq_to_heads shown: x (B, S/P, H, D) -> P chunks (B, S/P, H/P, D) -> send (P, B, S/P, H/P, D), row j to rank j
-    send = torch.stack(x.chunk(P, dim=scatter_dim))
-    recv = torch.empty_like(send)  # (P, B, S/P, H/P, D): row i holds rank i's tokens, of my heads
-    dist.all_to_all_single(recv, send, group=group)
+def _all_to_all(tensors, group, send, receive, split_dim, join_dim, direction):
+    """For every tensor t: send t.narrow(split_dim, send[t][j]) to rank j, and place what rank i sends at
+    receive[t][i] along join_dim, all in ONE collective call. Returns the joined tensors. A place that several
+    ranks fill (on its way back, a kv head that had gone to several ranks) receives their sum."""
+    P, me = dist.get_world_size(group), dist.get_rank(group)
+    others = [j for j in range(P) if j != me]
+    cut = lambda t, ranges, j, dim: t.narrow(dim, ranges[j].start, len(ranges[j]))
+    per_row = lambda t, dim: t.numel() // t.shape[dim]  # elements per unit of length along dim
+    outputs = []
+    for t, ranges_out, ranges_in in zip(tensors, send, receive):
+        shape = list(t.shape)
+        shape[split_dim], shape[join_dim] = len(ranges_out[me]), ranges_in[-1].stop
+        if join_dim == 1:  # the full sequence, stored head-major: (B, heads, S, D) memory, (B, S, heads, D) view
+            outputs.append(t.new_empty(shape[0], shape[2], shape[1], *shape[3:]).transpose(1, 2))
+        else:
+            outputs.append(t.new_empty(shape))
+    summed = [any(a.stop > b.start for a, b in zip(ranges, ranges[1:])) for ranges in receive]
+    for out in (out for out, is_summed in zip(outputs, summed) if is_summed):
+        out.zero_()
+
+    def place(i, pieces):  # what rank i sent, one piece per tensor, into the outputs
+        for out, ranges, piece, is_summed in zip(outputs, receive, pieces, summed):
+            target = cut(out, ranges, i, join_dim)
+            target.add_(piece) if is_summed else target.copy_(piece)
+
+    # 1. one copy into the send buffer, destination by destination
+    outgoing = [cut(t, ranges, j, split_dim) for j in others for t, ranges in zip(tensors, send)]
+    send_buffer = tensors[0].new_empty(sum(piece.numel() for piece in outgoing))
+    for slot, piece in zip(send_buffer.split([piece.numel() for piece in outgoing]), outgoing):
+        slot.view(piece.shape).copy_(piece)
+    # 2. one collective; from rank i comes, for each tensor, my part of it over rank i's range of join_dim
+    send_sizes = [0 if j == me else sum(per_row(t, split_dim) * len(ranges[j]) for t, ranges in zip(tensors, send))
+                  for j in range(P)]
+    shapes = [[out.shape[:join_dim] + (len(ranges[i]),) + out.shape[join_dim + 1:] for out, ranges in
+               zip(outputs, receive)] for i in others]
+    receive_sizes = [0 if i == me else sum(per_row(out, join_dim) * len(ranges[i]) for out, ranges in
+                                           zip(outputs, receive)) for i in range(P)]
+    receive_buffer = tensors[0].new_empty(sum(receive_sizes))
+    work = dist.all_to_all_single(receive_buffer, send_buffer, receive_sizes, send_sizes, group=group,
+                                  async_op=True)
     all_to_all_stats[direction]["calls"] += 1
-    all_to_all_stats[direction]["bytes"] += send.numel() * send.element_size() * (P - 1) // P  # my row stays
-    return torch.cat(recv.unbind(0), dim=gather_dim)  # rows in rank order along the sequence: (B, S, H/P, D)
+    all_to_all_stats[direction]["bytes"] += send_buffer.numel() * send_buffer.element_size()
+    # 3. while the buffers travel, my own pieces go straight into the outputs; then the received ones
+    place(me, [cut(t, ranges, me, split_dim) for t, ranges in zip(tensors, send)])
+    work.wait()
+    pieces = iter(receive_buffer.split([torch.Size(shape).numel() for rank_shapes in shapes for shape in rank_shapes]))
+    for i, rank_shapes in zip(others, shapes):
+        place(i, [next(pieces).view(shape) for shape in rank_shapes])
+    return outputs
 
 
 class _AllToAll(torch.autograd.Function):
-    """The all-to-all as an autograd op. Its backward is the same all-to-all with scatter and gather swapped:
-    the gradient of each received chunk goes back to the rank that sent it."""
+    """_all_to_all as an autograd op. Its backward is the same exchange with send and receive swapped (and the
+    split and join dimensions): the gradient of each received piece goes back to the rank that sent it."""
 
     @staticmethod
-    def forward(ctx, x, group, scatter_dim, gather_dim):
-        ctx.group, ctx.dims = group, (scatter_dim, gather_dim)
-        return _all_to_all(x, group, scatter_dim, gather_dim, direction="forward")
+    def forward(ctx, group, send, receive, split_dim, join_dim, *tensors):
+        ctx.exchange = (group, send, receive, split_dim, join_dim)
+        return tuple(_all_to_all(tensors, group, send, receive, split_dim, join_dim, "forward"))
 
     @staticmethod
-    def backward(ctx, grad):
-        scatter_dim, gather_dim = ctx.dims
-        return _all_to_all(grad, ctx.group, gather_dim, scatter_dim, direction="backward"), None, None, None
+    def backward(ctx, *grads):
+        group, send, receive, split_dim, join_dim = ctx.exchange
+        return None, None, None, None, None, *_all_to_all(grads, group, receive, send, join_dim, split_dim, "backward")
 
 
-def seq_to_heads(x, group):
-    """[B, S/P, H, D] (my tokens, all heads) -> [B, S, H/P, D] (all tokens, my heads). Backward: heads_to_seq."""
-    return _AllToAll.apply(x, group, 2, 1)
+def _exchange(x, group, heads, to_heads):
+    """seq_to_heads or heads_to_seq of a tensor or a tuple of tensors (then in one collective call)."""
+    single = torch.is_tensor(x)
+    tensors = (x,) if single else tuple(x)
+    P = dist.get_world_size(group)
+    if heads is None:  # one tensor, H/P heads a rank
+        H = tensors[0].shape[2] * (1 if to_heads else P)
+        if H % P:
+            raise ValueError(f"{H} heads do not split evenly over {P} ranks: pass heads=head_layout(...)[0]")
+        heads = head_layout(H, 1, P)[0]
+    heads = (heads,) if single else tuple(heads)
+    S_local = tensors[0].shape[1] if to_heads else tensors[0].shape[1] // P
+    tokens = [range(i * S_local, (i + 1) * S_local) for i in range(P)]  # rank i's tokens in the full sequence
+    if to_heads:
+        out = _AllToAll.apply(group, heads, (tokens,) * len(tensors), 2, 1, *tensors)
+    else:
+        out = _AllToAll.apply(group, (tokens,) * len(tensors), heads, 1, 2, *tensors)
+    return out[0] if single else out
 
 
-def heads_to_seq(x, group):
-    """[B, S, H/P, D] (all tokens, my heads) -> [B, S/P, H, D] (my tokens, all heads). Backward: seq_to_heads."""
-    return _AllToAll.apply(x, group, 1, 2)
+def seq_to_heads(x, group, heads=None):
+    """[B, S/P, H, D] (my tokens, all heads) -> [B, S, H_r, D] (all tokens, my heads), where heads[r] is the
+    range of heads rank r receives (default: H/P each, in rank order; head_layout gives uneven splits).
+    x may be a tuple of tensors with one heads list each: they all travel in ONE all-to-all. The result is a
+    view of head-major memory, [B, H_r, S, D]. Differentiable; its backward is heads_to_seq."""
+    return _exchange(x, group, heads, to_heads=True)
+
+
+def heads_to_seq(x, group, heads=None):
+    """[B, S, H_r, D] (all tokens, my heads) -> [B, S/P, H, D] (my tokens, all heads): the inverse of
+    seq_to_heads, with the same heads. Differentiable; its backward is seq_to_heads."""
+    return _exchange(x, group, heads, to_heads=False)
+
+
+def all_to_all_bytes(heads, rank, elements):
+    """Bytes rank `rank` sends when seq_to_heads moves a tensor whose every (token, head) pair is `elements`
+    bytes, per local token: (seq_to_heads, heads_to_seq of the same heads). It sends the heads of every
+    other rank for its own tokens, and takes back its own heads of every other rank's tokens."""
+    return (elements * sum(len(h) for j, h in enumerate(heads) if j != rank),
+            elements * (len(heads) - 1) * len(heads[rank]))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# rule 3: attention over the full sequence
+
+
+def ulysses_attention(q, k, v, group=None, attn_fn=None, **attn_kwargs):
+    """Attention over the full sequence when each rank holds S/P tokens.
+
+    q [B, S/P, Hq, D], k and v [B, S/P, Hkv, D] -> [B, S/P, Hq, D]. attn_fn(q, k, v, **attn_kwargs) sees the
+    full sequence in the same layout, [B, S, heads, D], for this rank's heads (head_layout); it defaults to
+    causal attention. group=None or a group of one rank runs attn_fn directly. Costs one all-to-all for q, k
+    and v together and one for the output; backward the same.
+    """
+    attn_fn = attn_fn or causal_attention
+    P, rank = _size_and_rank(group)
+    if P == 1:
+        return attn_fn(q, k, v, **attn_kwargs)
+    n_head, n_kv_head = q.shape[2], k.shape[2]
+    query_heads, kv_heads = head_layout(n_head, n_kv_head, P)
+    q, k, v = seq_to_heads((q, k, v), group, (query_heads, kv_heads, kv_heads))  # (B, S, hq or hkv, D)
+    # Kernels with grouped-query attention take query head i to use kv head i // (hq / hkv). Where this rank's
+    # heads do not split that way (8 heads, 2 kv heads, sp 3: the middle rank holds query heads 3, 4, 5, which
+    # use kv heads 0, 1, 1), k and v are expanded to one kv head per query head here, never on the wire.
+    hq, hkv = len(query_heads[rank]), len(kv_heads[rank])
+    uses = [h // (n_head // n_kv_head) - kv_heads[rank].start for h in query_heads[rank]]
+    if hq % hkv or uses != [i // (hq // hkv) for i in range(hq)]:
+        k, v = (t.transpose(1, 2)[:, uses].transpose(1, 2) for t in (k, v))  # (B, S, hkv, D) -> (B, S, hq, D)
+    return heads_to_seq(attn_fn(q, k, v, **attn_kwargs), group, query_heads)  # (B, S/P, Hq, D)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# attention kernels: any function of full-sequence q, k, v [B, S, heads, D] can run between the all-to-alls
 
 
 def _sdpa(q, k, v, **kwargs):
@@ -80,21 +280,33 @@ def _sdpa(q, k, v, **kwargs):
     return out.transpose(1, 2)  # (B, H, S, D) -> (B, S, H, D)
 
 
+def _use_flash(q):
+    return flash_attn_func is not None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
+
+
 def causal_attention(q, k, v):
     """Default kernel. q [B, S, Hq, D], k and v [B, S, Hkv, D] with Hq a multiple of Hkv -> [B, S, Hq, D]."""
-    if flash_attn_func is not None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
-        return flash_attn_func(q, k, v, causal=True)
-    return _sdpa(q, k, v, is_causal=True)
+    return flash_attn_func(q, k, v, causal=True) if _use_flash(q) else _sdpa(q, k, v, is_causal=True)
 
 
 def local_attention(q, k, v, window):
     """Sliding-window causal attention: token i sees tokens i-window+1 .. i. Same layout as causal_attention.
     It is not dense causal attention, yet ulysses_attention runs it unchanged: the wrapper only moves heads."""
-    if flash_attn_func is not None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
+    if _use_flash(q):
         return flash_attn_func(q, k, v, causal=True, window_size=(window - 1, 0))
     i = torch.arange(q.shape[1], device=q.device)
     distance = i[:, None] - i[None, :]  # (S, S): query index minus key index
     return _sdpa(q, k, v, attn_mask=(distance >= 0) & (distance < window))
+
+
+def document_starts(position_ids):
+    """position_ids [B, S] of the FULL sequence -> the flat indices (into B*S) where a document starts: wherever
+    the position is 0, and at the start of every row. Plus B*S at the end (cu_seqlens, as flash-attn calls it)."""
+    B, S = position_ids.shape
+    starts = position_ids.flatten() == 0  # (B*S,)
+    starts[::S] = True  # each row of the batch starts a document
+    end = torch.tensor([B * S], device=position_ids.device)
+    return torch.cat([starts.nonzero().flatten(), end])  # (documents + 1,)
 
 
 def document_attention(q, k, v, position_ids, window=None):
@@ -103,11 +315,9 @@ def document_attention(q, k, v, position_ids, window=None):
     with flash-attn one variable-length kernel call covers all documents; otherwise SDPA runs per document,
     so memory grows with the longest document, never as S^2."""
     B, S, Hq, D = q.shape
-    starts = position_ids.flatten() == 0  # (B*S,)
-    starts[::S] = True  # each row of the batch starts a document
-    cu_seqlens = torch.cat([starts.nonzero().flatten(), torch.tensor([B * S], device=q.device)])  # (documents + 1,)
+    cu_seqlens = document_starts(position_ids)  # (documents + 1,)
     q, k, v = (t.flatten(0, 1) for t in (q, k, v))  # (B*S, heads, D): the batch as one long token stream
-    if flash_attn_varlen_func is not None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
+    if flash_attn_varlen_func is not None and _use_flash(q):
         cu_seqlens = cu_seqlens.to(torch.int32)
         longest = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
         out = flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, longest, longest, causal=True,
@@ -122,51 +332,9 @@ def document_attention(q, k, v, position_ids, window=None):
 def gather_sequence(x, group):
     """[B, S/P] -> [B, S]: all-gather a small per-token tensor (position ids: B*S integers, never a mask) over
     the SP group, so that a kernel that runs on the full sequence knows its document boundaries."""
-    P = 1 if group is None else dist.get_world_size(group)
+    P = _size_and_rank(group)[0]
     if P == 1:
         return x
     parts = [torch.empty_like(x) for _ in range(P)]
     dist.all_gather(parts, x.contiguous(), group=group)
     return torch.cat(parts, dim=1)
-
-
-def sp_sizes(n_head, n_kv_head):
-    """The SP sizes that can split these heads: P divides n_head, and P and n_kv_head divide one another."""
-    return [p for p in range(1, n_head + 1) if n_head % p == 0 and (n_kv_head % p == 0 or p % n_kv_head == 0)]
-
-
-def kv_heads_to_send(n_head, n_kv_head, sp):
-    """How many key/value heads go into the all-to-all, or ValueError for a head layout that cannot be split."""
-    if sp not in sp_sizes(n_head, n_kv_head):
-        problem = (f"n_head={n_head} is not divisible by sp={sp}" if n_head % sp else
-                   f"n_kv_head={n_kv_head} and sp={sp}: one must divide the other")
-        raise ValueError(f"{problem}; choose sp in {{{', '.join(map(str, sp_sizes(n_head, n_kv_head)))}}}")
-    if n_kv_head % sp == 0:
-        return n_kv_head  # every rank receives n_kv_head/sp heads, the ones its n_head/sp query heads use
-    return sp  # sp % n_kv_head == 0: each kv head is copied sp/n_kv_head times, every rank receives exactly one
-
-
-def ulysses_attention(q, k, v, group=None, attn_fn=None, **attn_kwargs):
-    """Attention over the full sequence when each rank holds S/P tokens.
-
-    q [B, S/P, Hq, D], k and v [B, S/P, Hkv, D] -> [B, S/P, Hq, D]. attn_fn(q, k, v, **attn_kwargs) sees the
-    full sequence in the same layout, [B, S, heads, D]; it defaults to causal attention. group=None or a group
-    of one rank runs attn_fn directly. Costs one all-to-all for q, k and v together and one for the output.
-    """
-    attn_fn = attn_fn or causal_attention
-    P = 1 if group is None else dist.get_world_size(group)
-    if P == 1:
-        return attn_fn(q, k, v, **attn_kwargs)
-    B, S_local, Hq, D = q.shape
-    Hkv = k.shape[2]
-    n_send = kv_heads_to_send(Hq, Hkv, P)
-    if n_send != Hkv:  # kv head j is used by query heads [j*Hq/Hkv, (j+1)*Hq/Hkv), which land on P/Hkv ranks
-        k, v = (t.repeat_interleave(n_send // Hkv, dim=2) for t in (k, v))  # (B, S/P, Hkv, D) -> (B, S/P, P, D)
-    # Pack q, k, v so that the chunk for rank j holds its query heads and the kv heads they use:
-    # (B, S/P, heads, D) -> (B, S/P, P, heads/P, D), concatenated -> (B, S/P, P*(hq + 2*hkv), D)
-    hq, hkv = Hq // P, n_send // P
-    qkv = torch.cat([t.reshape(B, S_local, P, -1, D) for t in (q, k, v)], dim=3).flatten(2, 3)
-    qkv = seq_to_heads(qkv, group)  # (B, S, hq + 2*hkv, D)
-    q, k, v = qkv.split([hq, hkv, hkv], dim=2)  # (B, S, hq, D), (B, S, hkv, D), (B, S, hkv, D)
-    out = attn_fn(q, k, v, **attn_kwargs)  # (B, S, hq, D)
-    return heads_to_seq(out, group)  # (B, S/P, Hq, D)

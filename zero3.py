@@ -30,7 +30,7 @@ Freeing resizes its storage to 0 bytes; gathering resizes it back and all-gather
 that autograd saved for backward included, see the data again without being recreated (the trick of FSDP1).
 Autograd sums the views' gradients into `full.grad`; a post-accumulate-grad hook on `full` fires once per backward,
 when the unit's gradient is complete, and reduce-scatters it. Gradients are SUMMED over ranks, never averaged:
-the loss is already divided by the global token count (DESIGN.md, step 8).
+the loss is already divided by the valid-token count of the whole global batch, so the sum is the gradient.
 """
 
 from collections import namedtuple
@@ -196,17 +196,42 @@ class ZeRO3:
         return norm
 
     @torch.no_grad()
-    def state_dict(self):
-        """The whole model's state on CPU with its original names and shapes, on every rank (all-gathers each
-        unit once): `GPT(cfg).load_state_dict(zero.state_dict())` works in a single process."""
+    def _whole(self, shard_of):
+        """{parameter name: whole tensor on CPU} from one flat shard per unit (shard_of(unit): the parameter shard,
+        or optimizer state of the same shape), on every rank: one all-gather per unit."""
         state = {}
         for unit in self.units:
             full = torch.empty(unit.shard.numel() * unit.world, device=unit.shard.device)  # (padded,) fp32
-            all_gather(full, unit.shard.detach(), group=self.group)
+            all_gather(full, shard_of(unit).detach(), group=self.group)
             for slot, piece in zip(unit.slots, full.split(unit.sizes)):
                 state[slot.name] = piece.view(slot.shape).to("cpu", copy=True)
+        return state
+
+    def state_dict(self):
+        """The whole model's state on CPU with its original names and shapes, on every rank (all-gathers each
+        unit once): `GPT(cfg).load_state_dict(zero.state_dict())` works in a single process."""
+        state = self._whole(lambda unit: unit.shard)
         state.update({name: buffer.cpu() for name, buffer in self.model.state_dict().items()})  # buffers only
         return state
+
+    def optimizer_state_dict(self, optimizer):
+        """The optimizer's state for the whole model, by parameter name, as torch.distributed.checkpoint's
+        get_optimizer_state_dict(..., full_state_dict=True) gives it for a plain or FSDP2 model: {"state":
+        {name: {"step": ..., "exp_avg": ..., ...}}, "param_groups": [{..., "params": [names]}]}. State tensors
+        shaped like the shard (AdamW's moments) are gathered like the parameters; scalars (its step) are shared."""
+        per_unit = [optimizer.state[unit.shard] for unit in self.units]
+        names = [slot.name for unit in self.units for slot in unit.slots]
+        state = {name: {} for name in names}
+        for key, value in per_unit[0].items():
+            if value.dim() == 0:
+                for name in names:
+                    state[name][key] = value.detach().cpu().clone()
+            else:
+                for name, tensor in self._whole(lambda unit: optimizer.state[unit.shard][key]).items():
+                    state[name][key] = tensor
+        groups = [{**{k: v for k, v in group.items() if k != "params"}, "params": names}
+                  for group in optimizer.param_groups]
+        return {"state": state, "param_groups": groups}
 
     @torch.no_grad()
     def load_state_dict(self, state_dict):
@@ -222,6 +247,17 @@ class ZeRO3:
         self.model.load_state_dict({k: v for k, v in state_dict.items() if k not in names})  # buffers; no extra keys
         for unit in self.units:
             unit.shard.copy_(unit.my_shard_of(state_dict[slot.name] for slot in unit.slots))
+
+    def load_optimizer_state_dict(self, optimizer, state_dict):
+        """Load a whole-model optimizer state (optimizer_state_dict with any N, or get_optimizer_state_dict of a
+        plain or FSDP2 model) into an optimizer built on parameters(): each unit keeps its own shard of it."""
+        state = state_dict["state"]
+        shards = {}
+        for i, unit in enumerate(self.units):
+            first = state[unit.slots[0].name]
+            shards[i] = {key: unit.my_shard_of(state[slot.name][key] for slot in unit.slots) if value.dim()
+                         else value.clone() for key, value in first.items()}
+        optimizer.load_state_dict({"state": shards, "param_groups": optimizer.state_dict()["param_groups"]})
 
 
 def fsdp2_shard(model, units, group, compute_dtype=None):
