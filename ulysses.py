@@ -133,6 +133,16 @@ def reset_all_to_all_stats():
         counts["calls"], counts["bytes"] = 0, 0
 
 
+def _pack(pieces):
+    """The pieces back to back in one new flat buffer: one copy each."""
+    buffer = pieces[0].new_empty(sum(piece.numel() for piece in pieces))
+    offset = 0
+    for piece in pieces:
+        buffer[offset:offset + piece.numel()].view(piece.shape).copy_(piece)
+        offset += piece.numel()
+    return buffer
+
+
 def _all_to_all(tensors, group, send, receive, split_dim, join_dim, direction):
     """For every tensor t: send t.narrow(split_dim, send[t][j]) to rank j, and place what rank i sends at
     receive[t][i] along join_dim, all in ONE collective call. Returns the joined tensors. A place that several
@@ -140,47 +150,39 @@ def _all_to_all(tensors, group, send, receive, split_dim, join_dim, direction):
     P, me = dist.get_world_size(group), dist.get_rank(group)
     others = [j for j in range(P) if j != me]
     cut = lambda t, ranges, j, dim: t.narrow(dim, ranges[j].start, len(ranges[j]))
-    per_row = lambda t, dim: t.numel() // t.shape[dim]  # elements per unit of length along dim
-    outputs = []
+    # what comes back from rank i, per tensor: my part of it (split_dim) over rank i's range of join_dim
+    joined_shapes = []
     for t, ranges_out, ranges_in in zip(tensors, send, receive):
         shape = list(t.shape)
         shape[split_dim], shape[join_dim] = len(ranges_out[me]), ranges_in[-1].stop
-        if join_dim == 1:  # the full sequence, stored head-major: (B, heads, S, D) memory, (B, S, heads, D) view
-            outputs.append(t.new_empty(shape[0], shape[2], shape[1], *shape[3:]).transpose(1, 2))
-        else:
-            outputs.append(t.new_empty(shape))
-    summed = [any(a.stop > b.start for a, b in zip(ranges, ranges[1:])) for ranges in receive]
-    for out in (out for out, is_summed in zip(outputs, summed) if is_summed):
-        out.zero_()
+        joined_shapes.append(shape)
+    piece_shapes = [[shape[:join_dim] + [len(ranges[i])] + shape[join_dim + 1:] for shape, ranges in
+                     zip(joined_shapes, receive)] for i in range(P)]
+    numel = lambda shapes: sum(torch.Size(shape).numel() for shape in shapes)
 
-    def place(i, pieces):  # what rank i sent, one piece per tensor, into the outputs
-        for out, ranges, piece, is_summed in zip(outputs, receive, pieces, summed):
-            target = cut(out, ranges, i, join_dim)
-            target.add_(piece) if is_summed else target.copy_(piece)
-
-    # 1. one copy into the send buffer, destination by destination
-    outgoing = [cut(t, ranges, j, split_dim) for j in others for t, ranges in zip(tensors, send)]
-    send_buffer = tensors[0].new_empty(sum(piece.numel() for piece in outgoing))
-    for slot, piece in zip(send_buffer.split([piece.numel() for piece in outgoing]), outgoing):
-        slot.view(piece.shape).copy_(piece)
-    # 2. one collective; from rank i comes, for each tensor, my part of it over rank i's range of join_dim
-    send_sizes = [0 if j == me else sum(per_row(t, split_dim) * len(ranges[j]) for t, ranges in zip(tensors, send))
-                  for j in range(P)]
-    shapes = [[out.shape[:join_dim] + (len(ranges[i]),) + out.shape[join_dim + 1:] for out, ranges in
-               zip(outputs, receive)] for i in others]
-    receive_sizes = [0 if i == me else sum(per_row(out, join_dim) * len(ranges[i]) for out, ranges in
-                                           zip(outputs, receive)) for i in range(P)]
+    # 1. one copy into the send buffer, destination by destination; my own pieces stay where they are
+    outgoing = [[cut(t, ranges, j, split_dim) for t, ranges in zip(tensors, send)] if j != me else [] for j in range(P)]
+    send_buffer = _pack([piece for pieces in outgoing for piece in pieces])
+    # 2. one collective
+    receive_sizes = [numel(piece_shapes[i]) if i != me else 0 for i in range(P)]
     receive_buffer = tensors[0].new_empty(sum(receive_sizes))
-    work = dist.all_to_all_single(receive_buffer, send_buffer, receive_sizes, send_sizes, group=group,
-                                  async_op=True)
+    dist.all_to_all_single(receive_buffer, send_buffer, receive_sizes,
+                           [sum(piece.numel() for piece in pieces) for pieces in outgoing], group=group)
     all_to_all_stats[direction]["calls"] += 1
     all_to_all_stats[direction]["bytes"] += send_buffer.numel() * send_buffer.element_size()
-    # 3. while the buffers travel, my own pieces go straight into the outputs; then the received ones
-    place(me, [cut(t, ranges, me, split_dim) for t, ranges in zip(tensors, send)])
-    work.wait()
-    pieces = iter(receive_buffer.split([torch.Size(shape).numel() for rank_shapes in shapes for shape in rank_shapes]))
-    for i, rank_shapes in zip(others, shapes):
-        place(i, [next(pieces).view(shape) for shape in rank_shapes])
+    del send_buffer  # gone before the outputs exist: the peak stays near that of one tensor at a time
+    # 3. one copy out of the receive buffer (and out of my own tensors) into the joined tensors, contiguous
+    outputs = [t.new_empty(shape) for t, shape in zip(tensors, joined_shapes)]
+    received = iter(receive_buffer.split([torch.Size(shape).numel() for i in others for shape in piece_shapes[i]]))
+    incoming = [[next(received).view(shape) for shape in piece_shapes[i]] if i != me else
+                [cut(t, ranges, me, split_dim) for t, ranges in zip(tensors, send)] for i in range(P)]
+    for k, (out, ranges) in enumerate(zip(outputs, receive)):
+        shared = any(a.stop > b.start for a, b in zip(ranges, ranges[1:]))  # kv heads that went to several ranks
+        if shared:
+            out.zero_()
+        for i in range(P):
+            target = cut(out, ranges, i, join_dim)
+            target.add_(incoming[i][k]) if shared else target.copy_(incoming[i][k])
     return outputs
 
 
@@ -338,3 +340,183 @@ def gather_sequence(x, group):
     parts = [torch.empty_like(x) for _ in range(P)]
     dist.all_gather(parts, x.contiguous(), group=group)
     return torch.cat(parts, dim=1)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# python ulysses.py: one attention layer, forward + backward, against what else could carry it (see --help)
+
+
+class _OneTensorAllToAll(torch.autograd.Function):
+    """(c): the all-to-all one tensor at a time, as DeepSpeed and others do it: the chunks stacked into send
+    order (one copy), one collective, the received chunks concatenated (one copy); backward the same, swapped."""
+
+    @staticmethod
+    def forward(ctx, x, group, scatter_dim, gather_dim, sent):
+        ctx.args = (group, scatter_dim, gather_dim, sent)
+        return _OneTensorAllToAll.exchange(x, group, scatter_dim, gather_dim, sent)
+
+    @staticmethod
+    def backward(ctx, grad):
+        group, scatter_dim, gather_dim, sent = ctx.args
+        return _OneTensorAllToAll.exchange(grad, group, gather_dim, scatter_dim, sent), None, None, None, None
+
+    @staticmethod
+    def exchange(x, group, scatter_dim, gather_dim, sent):
+        P = dist.get_world_size(group)
+        send = torch.stack(x.chunk(P, dim=scatter_dim))  # (P, ...): row j for rank j
+        received = torch.empty_like(send)
+        dist.all_to_all_single(received, send, group=group)
+        sent[0] += send.numel() * send.element_size() * (P - 1) // P  # row `rank` stays here
+        return torch.cat(received.unbind(0), dim=gather_dim)
+
+
+class _GatherSequence(torch.autograd.Function):
+    """(d): all-gather [B, S/P, H, D] along the sequence into [B, S, H, D]; backward reduce-scatters (sums)
+    the full gradient back to each rank's tokens. Every rank sends (P-1)/P of the gathered tensor."""
+
+    @staticmethod
+    def forward(ctx, x, group, sent):
+        ctx.group, ctx.sent = group, sent
+        P, (B, S_local, H, D) = dist.get_world_size(group), x.shape
+        full = x.new_empty(P * B, S_local, H, D)  # rank j's tokens in rows j*B .. (j+1)*B - 1
+        (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(full, x.contiguous(), group=group)
+        sent[0] += x.numel() * x.element_size() * (P - 1)
+        return full.view(P, B, S_local, H, D).transpose(0, 1).reshape(B, P * S_local, H, D)  # (B, S, H, D)
+
+    @staticmethod
+    def backward(ctx, grad):
+        P, (B, S, H, D) = dist.get_world_size(ctx.group), grad.shape
+        mine = grad.new_empty(B, S // P, H, D)
+        rows = grad.reshape(B, P, S // P, H, D).transpose(0, 1).reshape(P * B, S // P, H, D)  # rank j's: rows j*B..
+        (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(mine, rows, group=ctx.group)
+        ctx.sent[0] += mine.numel() * mine.element_size() * (P - 1)
+        return mine, None, None
+
+
+def _benchmark_rank(rank, P, port, args, results):
+    """Time one attention layer, forward + backward, in every variant on this group of P processes."""
+    import os
+    import time
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // P))
+    dist.init_process_group("gloo", rank=rank, world_size=P)
+    group, B, H, D = dist.group.WORLD, args.batch_size, args.heads, args.head_dim
+    Hkv = args.kv_heads or H
+    sent = [0]  # bytes this rank sent with (c) or (d); (b) counts its own in all_to_all_stats
+
+    def separate(q, k, v):  # (c)
+        q, k, v = (_OneTensorAllToAll.apply(t, group, 2, 1, sent) for t in (q, k, v))  # (B, S, heads/P, D)
+        return _OneTensorAllToAll.apply(causal_attention(q, k, v), group, 1, 2, sent)  # (B, S/P, H, D)
+
+    def gathered(q, k, v):  # (d): all of k and v, this rank's queries
+        k, v = (_GatherSequence.apply(t, group, sent) for t in (k, v))  # (B, S, Hkv, D)
+        i = torch.arange(q.shape[1]) + rank * q.shape[1]  # global positions of my queries
+        return _sdpa(q, k, v, attn_mask=i[:, None] >= torch.arange(k.shape[1])[None, :])  # (B, S/P, H, D)
+
+    def kernel_alone(q, k, v, heads):  # (a): the full sequence for H/P heads, laid out as the all-to-all leaves it
+        return causal_attention(*(t.transpose(1, 2) for t in heads))
+
+    variants = {"(a) kernel alone": kernel_alone, "(b) ulysses_attention": lambda q, k, v, _: ulysses_attention(
+        q, k, v, group), "(c) 3 all-to-alls": lambda q, k, v, _: separate(q, k, v),
+        "(d) all-gather k, v": lambda q, k, v, _: gathered(q, k, v)}
+    for S in args.sequences[P]:
+        g = torch.Generator().manual_seed(rank)
+        q = torch.randn(B, S // P, H, D, generator=g)  # this rank's tokens
+        k, v = (torch.randn(B, S // P, Hkv, D, generator=g) for _ in range(2))
+        heads = torch.randn(3, B, H // P, S, D, generator=g)  # (a)'s q, k, v
+        names = list(variants) if P > 1 else ["(a) kernel alone"]
+        times, sent_bytes = {name: [] for name in names}, {}
+        for repetition in range(args.reps + 1):  # the first is a warm-up
+            for name in names:
+                inputs = [t.detach().requires_grad_() for t in (q, k, v, *heads)]
+                reset_all_to_all_stats()
+                sent[0] = 0
+                dist.barrier()
+                start = time.perf_counter()
+                out = variants[name](*inputs[:3], inputs[3:])
+                out.backward(torch.ones_like(out))
+                dist.barrier()
+                times[name].append(time.perf_counter() - start)
+                sent_bytes[name] = sent[0] + sum(c["bytes"] for c in all_to_all_stats.values())
+        if rank == 0:
+            results.put(("time", P, S, times, sent_bytes))
+    if P > 1 and args.memory:  # peak tensor memory of the layer on rank 0, forward + backward
+        from torch.distributed._tools.mem_tracker import MemTracker
+        S = args.sequences[P][0]
+        g = torch.Generator().manual_seed(rank)
+        q = torch.randn(B, S // P, H, D, generator=g)
+        k, v = (torch.randn(B, S // P, Hkv, D, generator=g) for _ in range(2))
+        for name in ("(b) ulysses_attention", "(c) 3 all-to-alls"):
+            inputs = [t.detach().requires_grad_() for t in (q, k, v)]
+            tracker = MemTracker()
+            tracker.track_external(*inputs)
+            with tracker:
+                out = variants[name](*inputs, None)
+                out.backward(torch.ones_like(out))
+                del out
+            peak = sum(device["Total"] for device in tracker.get_tracker_snapshot("peak").values())
+            if rank == 0:
+                results.put(("memory", P, S, name, peak, q.numel() * q.element_size()))
+    dist.destroy_process_group()
+
+
+def _benchmark(args):
+    """Start P gloo processes for each P, collect what rank 0 measured, print the two tables."""
+    import socket
+    import statistics
+    import torch.multiprocessing as mp
+    context = mp.get_context("spawn")
+    measured = []
+    for P in sorted(args.sequences):
+        results = context.SimpleQueue()
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        mp.start_processes(_benchmark_rank, args=(P, port, args, results), nprocs=P, start_method="spawn")
+        while not results.empty():
+            measured.append(results.get())
+    B, H, D, Hkv, e = args.batch_size, args.heads, args.head_dim, args.kv_heads or args.heads, 4
+
+    def formula(name, P, S):  # bytes a rank sends, forward + backward
+        kv_on_wire = sum(map(len, head_layout(H, Hkv, P)[1]))  # kv heads after any replication, over all ranks
+        if name.startswith("(d)"):  # k and v gathered forward, their gradients reduce-scattered backward
+            return 4 * B * S * Hkv * D * (P - 1) // P * e
+        return 0 if name.startswith("(a)") else 2 * (2 * H + 2 * kv_on_wire) * B * S * D * (P - 1) // P**2 * e
+
+    print(f"one attention layer, forward + backward: B={B} H={H} kv heads={Hkv} D={D}, float32, causal SDPA, gloo; "
+          f"median of {args.reps}; overhead = time - (a), paired by repetition")
+    print(f"{'P':>2} {'S':>6}  {'variant':<22} {'ms':>8} {'overhead ms':>12} {'vs (c)':>7} {'bytes sent/rank':>16} "
+          f"{'formula':>13}")
+    for _, P, S, times, sent_bytes in (m for m in measured if m[0] == "time"):
+        overhead = {name: statistics.median(b - a for a, b in zip(times["(a) kernel alone"][1:], t[1:]))
+                    for name, t in times.items()}
+        for name, t in times.items():
+            versus = f"{overhead[name] / overhead['(c) 3 all-to-alls']:.2f}x" if name[1] in "bc" else ""
+            print(f"{P:>2} {S:>6}  {name:<22} {statistics.median(t[1:]) * 1e3:8.1f} {overhead[name] * 1e3:12.1f} "
+                  f"{versus:>7} {sent_bytes[name]:>16,} {formula(name, P, S):>13,}")
+    for _, P, S, name, peak, q_bytes in (m for m in measured if m[0] == "memory"):
+        print(f"peak memory of the layer, P={P} S={S}, rank 0 (MemTracker): {name} {peak / 2**20:.1f} MiB "
+              f"(q on this rank: {q_bytes / 2**20:.1f} MiB)")
+
+
+if __name__ == "__main__":
+    import argparse
+    p = argparse.ArgumentParser(description="Benchmark one Ulysses attention layer against its alternatives: "
+                                "(a) the attention kernel alone, (b) ulysses_attention, (c) q, k and v in three "
+                                "all-to-alls, (d) all-gathered k and v", allow_abbrev=False)
+    p.add_argument("--seq-len", type=int, default=4096, help="tokens per sequence for the main table")
+    p.add_argument("--weak-seq-len", type=int, default=1024, help="tokens per rank in the weak-scaling rows")
+    p.add_argument("--sp", type=int, nargs="+", default=[2, 4], help="SP sizes of the main table")
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--kv-heads", type=int, default=None, help="default: --heads")
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument("--reps", type=int, default=9, help="timed repetitions (after one warm-up)")
+    p.add_argument("--memory", action=argparse.BooleanOptionalAction, default=True, help="measure peak memory")
+    args = p.parse_args()
+    args.sequences = {P: [args.seq_len] for P in args.sp}  # P -> the sequence lengths to time on P ranks
+    for P in (1, 2, 4):
+        args.sequences.setdefault(P, [])
+        if args.weak_seq_len * P not in args.sequences[P]:
+            args.sequences[P].append(args.weak_seq_len * P)
+    _benchmark(args)
