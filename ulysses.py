@@ -111,18 +111,16 @@ def head_layout(n_head, n_kv_head, P):
 # ----------------------------------------------------------------------------------------------------------------
 # the all-to-all
 #
-# One all_to_all_single moves any number of tensors, each cut along its own ranges. Between the two
-# all-to-alls, the full-sequence tensors are stored head-major, [B, heads, S, D], the layout attention kernels
-# read, and handed on as their [B, S, heads, D] view. For seq_to_heads of q, k, v on rank 0 of P = 2 (t0, t1:
-# the two token halves; h0, h1: the heads ranks 0 and 1 hold):
+# One all_to_all_single moves any number of tensors, each cut along its own ranges, with one copy on the way in
+# and one on the way out. For seq_to_heads of q, k, v on rank 0 of P = 2 (t0, t1: the two halves of the
+# sequence; h0, h1: the heads ranks 0 and 1 hold):
 #
-#     send buffer     [ q[t0,h1] | k[t0,h1] | v[t0,h1] ]      one copy in, already in send order
-#     all-to-all        (what stays on this rank, q[t0,h0] ..., never enters the buffers)
-#     receive buffer  [ q[t1,h0] | k[t1,h0] | v[t1,h0] ]
-#     q [B, h0, S, D] = q[t0,h0] (copied while the buffers travel), q[t1,h0] (copied when they arrive)
+#     send buffer      [ q[t0,h1] | k[t0,h1] | v[t0,h1] ]      one copy in, already in send order
+#     receive buffer   [ q[t1,h0] | k[t1,h0] | v[t1,h0] ]      (freed: the send buffer)
+#     q [B, S, h0, D] = [ q[t0,h0] ; q[t1,h0] ]                one copy out, contiguous as kernels read it
 #
-# So every element is copied once on its way in and once on its way out; heads_to_seq and both backwards do
-# the same with the roles of tokens and heads swapped.
+# What stays on this rank, q[t0,h0] and the like, never enters the buffers: it goes straight from the input
+# into the output. heads_to_seq and both backwards do the same with the roles of tokens and heads swapped.
 
 # what this process has sent to other ranks: {"forward"|"backward": {"calls": int, "bytes": int}}
 all_to_all_stats = {"forward": {"calls": 0, "bytes": 0}, "backward": {"calls": 0, "bytes": 0}}
@@ -224,8 +222,8 @@ def _exchange(x, group, heads, to_heads):
 def seq_to_heads(x, group, heads=None):
     """[B, S/P, H, D] (my tokens, all heads) -> [B, S, H_r, D] (all tokens, my heads), where heads[r] is the
     range of heads rank r receives (default: H/P each, in rank order; head_layout gives uneven splits).
-    x may be a tuple of tensors with one heads list each: they all travel in ONE all-to-all. The result is a
-    view of head-major memory, [B, H_r, S, D]. Differentiable; its backward is heads_to_seq."""
+    x may be a tuple of tensors with one heads list each: they all travel in ONE all-to-all. Differentiable;
+    its backward is heads_to_seq."""
     return _exchange(x, group, heads, to_heads=True)
 
 
