@@ -1,13 +1,26 @@
 """
 A small decoder-only transformer (nanoGPT-style, with RoPE, RMSNorm and grouped-query attention) that trains
-under Ulysses sequence parallelism.
+under Ulysses sequence parallelism, with softmax attention or Gated DeltaNet (linear attention) in each layer.
 
 The model sees only its rank's S/P tokens. Everything except attention is per-token, so it runs on the local
-tokens unchanged; attention goes through ulysses.ulysses_attention, the one place where tokens of different
-ranks meet. The model knows nothing else about SP: it gets the SP group to pass to attention, and the GLOBAL
-position of each token (RoPE must rotate token i by i, not by its index inside the shard).
+tokens unchanged; attention goes through ulysses.py, the one place where tokens of different ranks meet. The
+model knows nothing else about SP: it gets the SP group to pass to the all-to-alls, and the GLOBAL position of
+each token (RoPE must rotate token i by i, not by its index inside the shard).
+
+Hybrid models (Qwen3-Next: three Gated DeltaNet layers to one softmax layer) use both kinds. A Gated DeltaNet
+layer is not softmax attention, and Ulysses carries it all the same: everything that needs the whole sequence
+runs between its two all-to-alls, on this rank's heads, and everything per token stays outside.
+
+    local tokens, all heads          all tokens, my heads                    local tokens, all heads
+    x -> q, k, v, z, b, a  --a2a-->  q, k, v, b, a:                 --a2a--> o -> RMSNorm(o) * silu(z) -> out
+         (z stays here)              conv over the sequence (my heads'
+                                     channels of its weight), silu, L2
+                                     norm of q and k, gates from b and a
+                                     (my heads' A_log and dt_bias), the
+                                     gated delta rule -> o
 """
 
+import math
 from contextlib import nullcontext
 from dataclasses import dataclass
 from functools import partial
@@ -18,7 +31,8 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 
 from tiled import tiled_lm_loss, tiled_mlp
-from ulysses import causal_attention, document_attention, gather_sequence, local_attention, ulysses_attention
+from ulysses import (causal_attention, document_attention, gather_sequence, head_layout, heads_to_seq,
+                     local_attention, seq_to_heads, size_and_rank, ulysses_attention)
 
 
 @dataclass
@@ -30,6 +44,8 @@ class GPTConfig:
     n_embd: int = 128
     window: int = 0  # > 0: sliding-window attention over the last `window` tokens; 0: full causal attention
     rope_base: float = 10000.0
+    layer_pattern: str = "a"  # layer i is layer_pattern[i % len]: a = softmax attention, d = Gated DeltaNet
+    conv_width: int = 4  # Gated DeltaNet's causal convolution over the sequence
     # How to compute, not what: these change memory and time, never the result.
     tiles: int = 1  # > 1: MLP and loss run over this many sequence tiles (tiled.py), never the full activation
     recompute: bool = False  # keep only each block's input; recompute the block in backward
@@ -42,6 +58,9 @@ class GPTConfig:
             divisors = ", ".join(str(k) for k in range(1, self.n_head + 1) if self.n_head % k == 0)
             raise ValueError(f"n_head={self.n_head} is not a multiple of n_kv_head={self.n_kv_head}; "
                              f"choose n_kv_head in {{{divisors}}}")
+        if not self.layer_pattern or set(self.layer_pattern) - set("ad"):
+            raise ValueError(f"layer_pattern={self.layer_pattern!r}: use the letters a (softmax attention) and "
+                             f"d (Gated DeltaNet), e.g. 'ddda'")
 
 
 def rope_cos_sin(position_ids, head_dim, base):
@@ -75,6 +94,137 @@ class Attention(nn.Module):
         return self.proj(y.reshape(B, S_local, -1))  # (B, S_local, h)
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# Gated DeltaNet. Per batch row and head, a state M_t [D, D] (M_0 = 0) is decayed and corrected token by token:
+#     M_t = exp(g_t) (I - beta_t k_t k_t^T) M_{t-1} + beta_t k_t v_t^T,      o_t = M_t^T q_t / sqrt(D)
+# g_t <= 0 (the log of the decay) and beta_t in (0, 1) are per token and head; q and k are L2-normalised. A
+# document start resets the state: exp(g_t) = 0 there. All kernels take the softmax kernels' layout,
+# [B, S, heads, D], and `starts`, a bool [B, S] marking where documents start (None: one document per row).
+
+
+def gated_delta_rule(q, k, v, g, beta, starts=None):
+    """The recurrence, one token at a time: the obvious reference the chunked form must equal."""
+    decay = g.exp() if starts is None else g.exp().masked_fill(starts[:, :, None], 0.0)  # (B, S, H)
+    M = q.new_zeros(q.shape[0], q.shape[2], q.shape[3], v.shape[3])  # (B, H, D, D)
+    outputs = []
+    for t in range(q.shape[1]):
+        M = decay[:, t, :, None, None] * M
+        error = v[:, t] - torch.einsum("bhkv,bhk->bhv", M, k[:, t])  # (B, H, D): what M predicts for k, wrongly
+        M = M + beta[:, t, :, None, None] * k[:, t, :, :, None] * error[:, :, None, :]
+        outputs.append(torch.einsum("bhkv,bhk->bhv", M, q[:, t]) * q.shape[-1] ** -0.5)
+    return torch.stack(outputs, dim=1)  # (B, S, H, D)
+
+
+def _masked_exp(log_decay, keep, dtype):
+    """exp(log_decay) where keep, else 0, masked before exp so that nothing overflows."""
+    return (torch.where(keep, log_decay, 0.0).exp() * keep).to(dtype)
+
+
+def chunk_gated_delta_rule(q, k, v, g, beta, starts=None, chunk_size=64):
+    """The same result, chunk by chunk: matrix products inside a chunk of C tokens, a loop only across chunks.
+
+    In a chunk entered with state M0, let G_t = g_1 + ... + g_t and Dec[t, s] = exp(G_t - G_s) for s <= t in
+    the same document (else 0). The corrected values U (u_t = beta_t (v_t - M_{t-1}^T k_t)) solve a triangular
+    system, (I + A) U = beta V - beta exp(G) K M0 with A[t, s] = beta_t Dec[t, s] k_t.k_s for s < t, so
+        U = U~ - W M0,   U~ = (I + A)^-1 beta V,   W = (I + A)^-1 beta exp(G) K       (the UT transform)
+        O = (exp(G) Q M0 + (Q K^T * Dec) U) / sqrt(D)                     (the carried state, then the chunk)
+        M_next = exp(G_C) M0 + (K * exp(G_C - G))^T U                      (the state handed on)
+    A document start zeroes every decay that crosses it, exp(G) and exp(G_C - G) included.
+    """
+    B, S, H, D = q.shape
+    C, n = chunk_size, -(-S // chunk_size)  # n chunks; the last is padded with tokens that change nothing
+
+    def chunked(x):  # (B, S, H, ...) -> (B, H, n, C, ...)
+        x = F.pad(x.transpose(1, 2), (0, 0) * (x.dim() - 3) + (0, n * C - S))
+        return x.reshape(B, H, n, C, *x.shape[3:])
+
+    q, k, v, g, beta = map(chunked, (q * D ** -0.5, k, v, g, beta))  # q, k, v: (B, H, n, C, D); g, beta: (B, H, n, C)
+    starts = torch.zeros(B, S, dtype=torch.bool, device=q.device) if starts is None else starts
+    document = F.pad(starts, (0, n * C - S)).reshape(B, 1, n, C).cumsum(-1)  # (B, 1, n, C): 0 = the one entered
+    # the running log-decays reach -100 within a chunk; in float64 their differences keep all their digits
+    G = g.double().cumsum(-1)  # (B, H, n, C)
+    causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
+    same_document = (document[..., :, None] == document[..., None, :]) & causal  # (B, 1, n, C, C)
+    Dec = _masked_exp(G[..., :, None] - G[..., None, :], same_document, q.dtype)  # (B, H, n, C, C)
+    from_start = _masked_exp(G, document == 0, q.dtype)  # (B, H, n, C): decay from M0 to token t
+    to_end = _masked_exp(G[..., -1:] - G, document == document[..., -1:], q.dtype)  # token t to the chunk end
+    # the UT transform, for every chunk at once: one triangular solve gives U~ and W
+    A = (beta[..., None] * (k @ k.transpose(-1, -2)) * Dec).tril(-1)  # (B, H, n, C, C)
+    right = torch.cat([beta[..., None] * v, (beta * from_start)[..., None] * k], dim=-1)  # (B, H, n, C, 2D)
+    eye = torch.eye(C, dtype=q.dtype, device=q.device)
+    U_tilde, W = torch.linalg.solve_triangular(eye + A, right, upper=False, unitriangular=True).split(D, -1)
+    # the one sequential part: the state, carried across chunks
+    M, states, values = q.new_zeros(B, H, D, D), [], []
+    k_to_end = (k * to_end[..., None]).transpose(-1, -2)  # (B, H, n, D, C)
+    for i in range(n):
+        u = U_tilde[:, :, i] - W[:, :, i] @ M  # (B, H, C, D)
+        states.append(M)
+        values.append(u)
+        M = from_start[:, :, i, -1, None, None] * M + k_to_end[:, :, i] @ u  # (B, H, D, D)
+    states, U = torch.stack(states, dim=2), torch.stack(values, dim=2)  # (B, H, n, D, D), (B, H, n, C, D)
+    o = (q * from_start[..., None]) @ states + ((q @ k.transpose(-1, -2)) * Dec) @ U  # (B, H, n, C, D)
+    return o.reshape(B, H, n * C, D)[:, :, :S].transpose(1, 2)  # (B, S, H, D)
+
+
+def causal_conv1d(x, weight, starts=None):
+    """Depthwise causal convolution over the sequence: x [B, S, channels], weight [channels, W] -> [B, S, channels],
+    out_t = sum_i weight[:, W-1-i] * x_{t-i}, where x_{t-i} counts as 0 before the start of token t's document."""
+    B, S, _ = x.shape
+    position = torch.arange(S, device=x.device).expand(B, S)  # (B, S)
+    if starts is not None:  # the position inside the document: t minus the last start at or before t
+        position = position - torch.where(starts, position, 0).cummax(dim=1).values
+    out = torch.zeros_like(x)
+    for i in range(weight.shape[1]):  # i tokens back
+        out = out + (position >= i)[..., None] * weight[:, -1 - i] * F.pad(x, (0, 0, i, 0))[:, :S]
+    return out
+
+
+def gated_delta_net(q, k, v, b, a, conv_weight, A_log, dt_bias, starts=None):
+    """What a Gated DeltaNet layer computes over the full sequence, for some of its heads: q, k, v [B, S, h, D]
+    before the convolution, b and a [B, S, h, 1] (the inputs of beta and of the decay), and the slices of the
+    per-head parameters for those h heads -> o [B, S, h, D]."""
+    B, S, h, D = q.shape
+    qkv = F.silu(causal_conv1d(torch.cat([q, k, v], dim=2).flatten(2), conv_weight, starts))  # (B, S, 3*h*D)
+    q, k, v = qkv.view(B, S, 3, h, D).unbind(2)  # (B, S, h, D) each
+    beta = b.squeeze(-1).sigmoid()  # (B, S, h)
+    g = -A_log.exp() * F.softplus(a.squeeze(-1) + dt_bias)  # (B, S, h): the log of the decay, <= 0
+    return chunk_gated_delta_rule(F.normalize(q, dim=-1), F.normalize(k, dim=-1), v, g, beta, starts)
+
+
+class GatedDeltaNet(nn.Module):
+    """Linear attention with the gated delta rule, in place of softmax attention. Called like Attention;
+    `attend` is gated_delta_net with this forward's document starts. It uses no RoPE: the recurrence knows
+    the order of the tokens."""
+
+    def __init__(self, cfg, sp_group):
+        super().__init__()
+        H, D = cfg.n_head, cfg.n_embd // cfg.n_head
+        self.n_head, self.head_dim, self.sp_group = H, D, sp_group
+        self.in_proj = nn.Linear(cfg.n_embd, 4 * H * D + 2 * H, bias=False)  # q, k, v, z (H*D each), b, a (H each)
+        self.conv = nn.Parameter(torch.empty(3, H, D, cfg.conv_width).uniform_(-1, 1) / cfg.conv_width ** 0.5)
+        self.A_log = nn.Parameter(torch.empty(H).uniform_(1, 16).log())  # decay rates, as in Mamba2
+        dt = torch.empty(H).uniform_(math.log(1e-3), math.log(0.1)).exp()
+        self.dt_bias = nn.Parameter(dt + torch.log(-torch.expm1(-dt)))  # softplus(dt_bias) = dt
+        self.norm = nn.RMSNorm(D, eps=1e-6)
+        self.proj = nn.Linear(H * D, cfg.n_embd, bias=False)
+
+    def forward(self, x, cos, sin, attend):
+        B, S_local, _ = x.shape
+        H, D = self.n_head, self.head_dim
+        q, k, v, z, b, a = self.in_proj(x).split([H * D] * 4 + [H] * 2, dim=-1)
+        q, k, v, z = (t.view(B, S_local, H, D) for t in (q, k, v, z))  # (B, S_local, H, D)
+        heads = head_layout(H, H, size_and_rank(self.sp_group)[0])[0]
+        mine = heads[size_and_rank(self.sp_group)[1]]
+        q, k, v, b, a = seq_to_heads((q, k, v, b[..., None], a[..., None]), self.sp_group, (heads,) * 5)  # (B, S, h, *)
+        o = attend(q, k, v, b, a, self.conv[:, mine.start:mine.stop].flatten(0, 2),  # (3*h*D, W): my channels
+                   self.A_log[mine.start:mine.stop], self.dt_bias[mine.start:mine.stop])  # (B, S, h, D)
+        o = heads_to_seq(o, self.sp_group, heads)  # (B, S_local, H, D)
+        return self.proj((self.norm(o) * F.silu(z)).flatten(2))  # the gate z is per token: it never left
+
+
+# ----------------------------------------------------------------------------------------------------------------
+
+
 def mlp(x, fc_weight, proj_weight):
     return F.linear(F.gelu(F.linear(x, fc_weight)), proj_weight)  # (B, s, h) -> (B, s, 4h) -> (B, s, h)
 
@@ -92,9 +242,11 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg, sp_group):
+    def __init__(self, cfg, sp_group, kind):
         super().__init__()
-        self.norm1, self.attn = nn.RMSNorm(cfg.n_embd), Attention(cfg, sp_group)
+        self.kind = kind  # "a" or "d"
+        self.norm1 = nn.RMSNorm(cfg.n_embd)
+        self.attn = Attention(cfg, sp_group) if kind == "a" else GatedDeltaNet(cfg, sp_group)
         self.norm2, self.mlp = nn.RMSNorm(cfg.n_embd), MLP(cfg)
 
     def forward(self, x, cos, sin, attend):
@@ -132,7 +284,8 @@ class GPT(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.n_embd)
-        self.blocks = nn.ModuleList(Block(cfg, sp_group) for _ in range(cfg.n_layer))
+        self.blocks = nn.ModuleList(Block(cfg, sp_group, cfg.layer_pattern[i % len(cfg.layer_pattern)])
+                                    for i in range(cfg.n_layer))
         self.sp_group = sp_group
         self.head = Head(cfg)
         for name, p in self.named_parameters():
@@ -148,18 +301,18 @@ class GPT(nn.Module):
         """idx, position_ids, labels: [B, S_local], this rank's tokens. position_ids are positions in the full
         sequence, or, with packed=True, in each document (0 where a document starts, and only there)."""
         window = self.cfg.window
-        if packed:  # attention runs on the full sequence, so it needs the document starts of the full sequence
-            attend = partial(document_attention, position_ids=gather_sequence(position_ids, self.sp_group),
-                             window=window)
-        else:
-            attend = partial(local_attention, window=window) if window else causal_attention
+        # the kernels run on the full sequence, so with packing they need the document starts of the full sequence
+        full_positions = gather_sequence(position_ids, self.sp_group) if packed else None
+        attend = {"a": partial(document_attention, position_ids=full_positions, window=window) if packed else
+                  partial(local_attention, window=window) if window else causal_attention,
+                  "d": partial(gated_delta_net, starts=full_positions == 0 if packed else None)}
         x = self.embed(idx)  # (B, S_local, h)
         cos, sin = rope_cos_sin(position_ids, self.cfg.n_embd // self.cfg.n_head, self.cfg.rope_base)
         offload = self.cfg.offload and x.is_cuda  # ALST's trick: block inputs wait for backward in CPU memory
         for block in self.blocks:
             if self.cfg.recompute:
                 with torch.autograd.graph.save_on_cpu(pin_memory=True) if offload else nullcontext():
-                    x = torch.utils.checkpoint.checkpoint(block, x, cos, sin, attend, use_reentrant=False)
+                    x = torch.utils.checkpoint.checkpoint(block, x, cos, sin, attend[block.kind], use_reentrant=False)
             else:
-                x = block(x, cos, sin, attend)
+                x = block(x, cos, sin, attend[block.kind])
         return self.head(x, labels)

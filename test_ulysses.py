@@ -17,9 +17,11 @@ import subprocess
 import sys
 import tempfile
 import time
+from functools import partial
 
 import pytest
 import torch
+import torch.nn.functional as F
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
@@ -387,14 +389,15 @@ def _packed_batch(changed_document=None):
     return inputs, labels, position_ids
 
 
-def _packed_model(group, window=0):
+def _packed_model(group, pattern, window=0):
     torch.manual_seed(0)
-    return GPT(GPTConfig(n_layer=2, n_head=4, n_kv_head=2, n_embd=32, window=window), sp_group=group)
+    return GPT(GPTConfig(n_layer=2, n_head=4, n_kv_head=2, n_embd=32, window=window, layer_pattern=pattern),
+               sp_group=group)
 
 
-def _packed_run(group, window=0, changed_document=None):
+def _packed_run(group, pattern, window=0, changed_document=None):
     """Logits and (grads of the mean loss) of this rank's shard of the packed batch."""
-    model = _packed_model(group, window)
+    model = _packed_model(group, pattern, window)
     inputs, labels, position_ids = ulysses.shard_for_sp(*_packed_batch(changed_document), group)
     logits = model(inputs, position_ids, packed=True)  # (B, S_pad/sp, vocab)
     loss_sum = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum")
@@ -402,20 +405,22 @@ def _packed_run(group, window=0, changed_document=None):
     return logits.detach(), grads(model)
 
 
-def _packed_rank(rank, world_size):
-    return [_packed_run(dist.group.WORLD, window) for window in (0, 5)] + \
-           [_packed_run(dist.group.WORLD, 0, changed_document=1)]
+def _packed_rank(rank, world_size, pattern):
+    return [_packed_run(dist.group.WORLD, pattern, window) for window in (0, 5)] + \
+           [_packed_run(dist.group.WORLD, pattern, 0, changed_document=1)]
 
 
+@pytest.mark.parametrize("pattern", ["a", "da"])
 @pytest.mark.parametrize("world_size", [2, 3, 4])
-def test_packed_documents_under_sp(world_size):
+def test_packed_documents_under_sp(world_size, pattern):
     """SP boundaries are not document boundaries: sp 2, 3 (uneven heads) and 4 equal one device on a packed
-    batch, for causal and sliding-window attention, and no document sees another."""
-    per_rank = run_ranks(world_size, _packed_rank)
+    batch, for causal and sliding-window attention and for Gated DeltaNet (da: a DeltaNet layer, then softmax
+    attention), and no document sees another."""
+    per_rank = run_ranks(world_size, _packed_rank, pattern)
     sp_results = [(torch.cat([r[i][0] for r in per_rank], dim=1)[:, :32],
                    {n: sum(r[i][1][n] for r in per_rank) for n in per_rank[0][i][1]}) for i in range(3)]
     for (logits, summed), window in zip(sp_results, (0, 5)):
-        reference_logits, reference_grads = _packed_run(None, window)
+        reference_logits, reference_grads = _packed_run(None, pattern, window)
         torch.testing.assert_close(logits, reference_logits, rtol=1e-5, atol=1e-5)
         assert_all_close(summed, reference_grads, rtol=1e-4, atol=1e-6, where=f"window {window}")
     # no leakage: new tokens in document 1 change its own logits and nothing else
@@ -431,9 +436,10 @@ def test_packed_documents_under_sp(world_size):
             offset += DOC_LENGTHS[d]
 
 
-def test_packed_batch_equals_documents_alone():
+@pytest.mark.parametrize("pattern", ["a", "da"])
+def test_packed_batch_equals_documents_alone(pattern):
     """Each document of a packed batch gets exactly the logits it gets when run alone from position 0."""
-    model = _packed_model(None)
+    model = _packed_model(None, pattern)
     inputs, _, position_ids = _packed_batch()
     packed_logits = model(inputs, position_ids, packed=True)  # (2, 32, vocab)
     offset = 0
@@ -462,6 +468,75 @@ def test_gpt_tiled_and_recomputed_equals_plain():
         results.append((loss_sum.detach(), correct, grads(model)))
     for result in results[1:]:
         assert_all_close(result, results[0], rtol=1e-5, atol=1e-6)
+
+
+# Gated DeltaNet: the chunked kernel against the recurrence, and the layer under SP
+
+
+def _delta_rule_inputs(B, S, H, D, dtype):
+    """Inputs as a Gated DeltaNet layer makes them (normalised q and k, beta in (0, 1), realistic decays), given
+    as [B, S, H, ...] views of head-major memory."""
+    g = torch.Generator().manual_seed(0)
+    q, k = (F.normalize(torch.randn(B, H, S, D, generator=g, dtype=dtype), dim=-1) for _ in range(2))
+    v, beta = torch.randn(B, H, S, D, generator=g, dtype=dtype), torch.rand(B, H, S, generator=g, dtype=dtype)
+    decay = -torch.empty(H, 1, dtype=dtype).uniform_(1, 16, generator=g) * torch.rand(B, H, S, generator=g, dtype=dtype) / 4
+    return [t.transpose(1, 2).requires_grad_() for t in (q, k, v, decay, beta)]
+
+
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.float64, 1e-10)])
+@pytest.mark.parametrize("chunk_size", [64, 16])
+def test_chunked_gated_delta_rule_equals_the_recurrence(dtype, tolerance, chunk_size):
+    """Output and every input gradient, S = 150 (not a multiple of the chunk), with and without documents:
+    one starting mid-chunk, one at a chunk boundary (64), some shorter than the convolution (100, 101, 103)."""
+    inputs = _delta_rule_inputs(2, 150, 3, 16, dtype)
+    grad_out = torch.randn(2, 150, 3, 16, dtype=dtype, generator=torch.Generator().manual_seed(1))
+    starts = torch.zeros(2, 150, dtype=torch.bool)
+    starts[0, [37, 64, 100, 101, 103, 130]] = True  # row 1 is one document
+    for documents in (None, starts):
+        results = []
+        for kernel in (gpt.gated_delta_rule, partial(gpt.chunk_gated_delta_rule, chunk_size=chunk_size)):
+            out = kernel(*inputs, starts=documents)
+            results.append([out, *torch.autograd.grad(out, inputs, grad_out)])
+        assert_all_close(results[1], results[0], rtol=tolerance, atol=tolerance)
+
+
+def test_causal_conv1d_restarts_at_every_document():
+    x, weight = torch.randn(2, 40, 6, dtype=torch.float64), torch.randn(6, 4, dtype=torch.float64)
+    bounds = [0, 9, 10, 12, 31, 40]  # documents of 9, 1, 2, 19 and 9 tokens
+    starts = torch.zeros(2, 40, dtype=torch.bool)
+    starts[:, bounds[:-1]] = True
+    want = torch.cat([F.conv1d(x[:, s:e].transpose(1, 2), weight[:, None], padding=3, groups=6)[..., :e - s]
+                      for s, e in zip(bounds, bounds[1:])], dim=2).transpose(1, 2)  # each document alone
+    torch.testing.assert_close(gpt.causal_conv1d(x, weight, starts), want, rtol=1e-12, atol=1e-12)
+
+
+def _deltanet_rank(rank, world_size):
+    """The layer alone on this rank's tokens, one row a document and one row of packed documents."""
+    group = dist.group.WORLD if world_size > 1 else None
+    torch.manual_seed(0)
+    layer = gpt.GatedDeltaNet(GPTConfig(n_head=4, n_embd=32), group)
+    x = torch.randn(2, 32, 32, generator=torch.Generator().manual_seed(1))  # (B, S, h)
+    full_positions = _packed_batch()[2]  # documents at 0, 8, 19, 22 (S/4 = 8 tokens a rank at sp 4)
+    results = []
+    for starts in (None, full_positions == 0):
+        local = _sp_slice(x, rank, world_size).clone().requires_grad_()
+        out = layer(local, None, None, partial(gpt.gated_delta_net, starts=starts))
+        out.backward(_sp_slice(torch.cos(x), rank, world_size))  # any fixed gradient
+        results.append((out.detach(), local.grad, grads(layer)))
+        layer.zero_grad()
+    return results
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_gated_deltanet_layer_under_sp(world_size):
+    """Output, input gradient and every parameter gradient (conv weight, A_log and dt_bias included: each rank
+    uses its heads' slices, and their gradients reach the whole parameters once) equal one device."""
+    per_rank = run_ranks(world_size, _deltanet_rank)
+    for i, (out, input_grad, reference_grads) in enumerate(_deltanet_rank(0, 1)):
+        torch.testing.assert_close(torch.cat([r[i][0] for r in per_rank], dim=1), out, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(torch.cat([r[i][1] for r in per_rank], dim=1), input_grad, rtol=1e-5, atol=1e-5)
+        summed = {name: sum(r[i][2][name] for r in per_rank) for name in reference_grads}
+        assert_all_close(summed, reference_grads, rtol=1e-5, atol=1e-5, where=f"sp {world_size}, case {i}")
 
 
 # ================================================================================================================
@@ -590,6 +665,18 @@ def test_training_with_uneven_heads(kv):
     _assert_same_training(history, reference, f"6 heads, {kv} kv heads, sp 4")
 
 
+@pytest.mark.parametrize("pack", [[], ["--pack"]], ids=["plain", "packed"])
+def test_training_a_hybrid_model(pack):
+    """Three Gated DeltaNet layers to one softmax layer (--layer-pattern ddda), with and without packed
+    documents: sp 4 and dp 2 x sp 2 give the one-process losses, with ZeRO-3."""
+    argv = TRAIN_ARGS + ["--layer-pattern", "ddda", "--n-layer", "4", "--seq-len", "64"] + pack
+    [(reference, _)] = run_ranks(1, _train_rank, [(argv + ["--batch-size", "8"], None)])[0]
+    layouts = {"sp4": ["--sp", "4", "--batch-size", "8"], "dp2xsp2": ["--sp", "2", "--batch-size", "4"]}
+    results = run_ranks(4, _train_rank, [(argv + layout, None) for layout in layouts.values()])[0]
+    for name, (history, _) in zip(layouts, results):
+        _assert_same_training(history, reference, name)
+
+
 def test_text_data_plain_and_packed(tmp_path):
     """--data: a window of the bytes, or (--pack) whole paragraphs with positions restarting at each."""
     text = tmp_path / "text.txt"
@@ -675,6 +762,7 @@ def test_resume_on_any_layout(tmp_path, capsys):
     (1, ["--data", "{empty}"], r"--data .*empty.txt holds no text"),
     (1, ["--save-every", "5"], r"--resume and --save-every need --out-dir"),
     (1, ["--offload"], r"--offload keeps the block inputs that --recompute saves in CPU memory; add --recompute"),
+    (1, ["--layer-pattern", "adx"], r"layer_pattern='adx': use the letters a \(softmax attention\) and d"),
 ])
 def test_bad_input_is_refused(monkeypatch, tmp_path, world_size, argv, message):
     (tmp_path / "empty.txt").write_text("")

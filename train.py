@@ -49,7 +49,7 @@ import ulysses
 from gpt import GPT, GPTConfig
 from zero3 import ZeRO3, fsdp2_shard
 
-MODEL_FIELDS = ("n_layer", "n_head", "n_kv_head", "n_embd", "window")  # the flags that shape the model
+MODEL_FIELDS = ("n_layer", "n_head", "n_kv_head", "n_embd", "window", "layer_pattern")  # what shapes the model
 
 
 def parse_args(argv=None):
@@ -69,6 +69,8 @@ def parse_args(argv=None):
     p.add_argument("--n-kv-head", type=int, default=None, help="key/value heads (default: n_head)")
     p.add_argument("--n-embd", type=int, default=128)
     p.add_argument("--window", type=int, default=0, help="sliding-window attention over this many tokens (0: full)")
+    p.add_argument("--layer-pattern", default="a", help="the kind of each layer, repeated over the layers: a = softmax "
+                   "attention, d = Gated DeltaNet (linear attention); e.g. ddda, a hybrid of three to one")
     p.add_argument("--data", default=None, help="a text file to train on as bytes (default: the copy task)")
     p.add_argument("--pack", action="store_true", help="pack several documents into each sequence (text: split at "
                    "blank lines; copy task: documents of random lengths); attention stays inside each document")
@@ -508,17 +510,20 @@ def collective_failure(error, rank, step, args):
 
 
 def all_to_all_bytes_formula(args, element_bytes, rank=0):
-    """Bytes `rank` sends per optimizer step: per layer and micro-step, q, k and v go to the heads of every other
-    rank and the output comes back (ulysses.all_to_all_bytes for each); backward sends the reverse, and with
-    --recompute the forward runs twice (once more inside backward)."""
+    """Bytes `rank` sends per optimizer step. Per layer and micro-step, what goes to the heads of the other ranks
+    (softmax attention: q, k, v; Gated DeltaNet: q, k, v and its two per-head gate inputs) and the output that
+    comes back, each counted by ulysses.all_to_all_bytes; backward sends the reverse, and with --recompute the
+    forward runs twice (once more inside backward)."""
     query_heads, kv_heads = ulysses.head_layout(args.n_head, args.n_kv_head, args.sp)
     tokens = args.batch_size * math.ceil(args.seq_len / args.sp)  # local tokens per micro-step
-    per_token_and_head = args.n_embd // args.n_head * element_bytes
-    q_to_heads, q_to_seq = ulysses.all_to_all_bytes(query_heads, rank, tokens * per_token_and_head)
-    kv_to_heads, kv_to_seq = ulysses.all_to_all_bytes(kv_heads, rank, tokens * per_token_and_head)
-    forward = q_to_heads + 2 * kv_to_heads + q_to_seq  # q, k, v there; the output back
-    backward = q_to_heads + q_to_seq + 2 * kv_to_seq  # the output's gradient there; q's, k's and v's back
-    return args.n_layer * args.grad_accum * ((2 if args.recompute else 1) * forward + backward)
+    D, e = args.n_embd // args.n_head, element_bytes
+    (q_there, q_back), (kv_there, kv_back) = (ulysses.all_to_all_bytes(heads, rank, tokens * D * e)
+                                              for heads in (query_heads, kv_heads))
+    in_there, in_back = ulysses.all_to_all_bytes(query_heads, rank, tokens * (3 * D + 2) * e)  # DeltaNet's inputs
+    per_kind = {"a": (q_there + 2 * kv_there + q_back, q_there + q_back + 2 * kv_back),  # (forward, backward)
+                "d": (in_there + q_back, q_there + in_back)}
+    kinds = [args.layer_pattern[i % len(args.layer_pattern)] for i in range(args.n_layer)]
+    return args.grad_accum * sum((2 if args.recompute else 1) * per_kind[k][0] + per_kind[k][1] for k in kinds)
 
 
 def model_state_bytes(optimizer):

@@ -36,7 +36,8 @@ except ImportError:
     flash_attn_func = flash_attn_varlen_func = None
 
 
-def _size_and_rank(group):
+def size_and_rank(group):
+    """(P, this process's rank in the group); (1, 0) for group=None, which means no communication."""
     return (1, 0) if group is None else (dist.get_world_size(group), dist.get_rank(group))
 
 
@@ -52,7 +53,7 @@ def shard_for_sp(input_ids, labels, position_ids, group=None):
     keeps every real token from seeing the padding. Position ids are those of the full sequence: rank r's first
     token is at position r*S_pad/P (unless a document starts there), never 0. group=None: one rank.
     """
-    P, rank = _size_and_rank(group)
+    P, rank = size_and_rank(group)
     pad = -input_ids.shape[1] % P
     input_ids, labels = F.pad(input_ids, (0, pad), value=0), F.pad(labels, (0, pad), value=-100)  # (B, S_pad)
     counting_on = position_ids[:, -1:] + torch.arange(1, pad + 1, device=position_ids.device)  # (B, pad)
@@ -69,7 +70,7 @@ def global_valid_tokens(labels, group=None):
     are those of the mean loss over the global batch. Never 0: a batch without labels gives loss 0, not NaN."""
     labels = [labels] if torch.is_tensor(labels) else labels
     count = sum((l != -100).sum() for l in labels)  # () int64
-    if _size_and_rank(group)[0] > 1:
+    if size_and_rank(group)[0] > 1:
         dist.all_reduce(count, group=group)
     return count.clamp(min=1)
 
@@ -201,9 +202,11 @@ class _AllToAll(torch.autograd.Function):
 
 def _exchange(x, group, heads, to_heads):
     """seq_to_heads or heads_to_seq of a tensor or a tuple of tensors (then in one collective call)."""
+    P = size_and_rank(group)[0]
+    if P == 1:
+        return x
     single = torch.is_tensor(x)
     tensors = (x,) if single else tuple(x)
-    P = dist.get_world_size(group)
     if heads is None:  # one tensor, H/P heads a rank
         H = tensors[0].shape[2] * (1 if to_heads else P)
         if H % P:
@@ -254,7 +257,7 @@ def ulysses_attention(q, k, v, group=None, attn_fn=None, **attn_kwargs):
     and v together and one for the output; backward the same.
     """
     attn_fn = attn_fn or causal_attention
-    P, rank = _size_and_rank(group)
+    P, rank = size_and_rank(group)
     if P == 1:
         return attn_fn(q, k, v, **attn_kwargs)
     n_head, n_kv_head = q.shape[2], k.shape[2]
@@ -332,7 +335,7 @@ def document_attention(q, k, v, position_ids, window=None):
 def gather_sequence(x, group):
     """[B, S/P] -> [B, S]: all-gather a small per-token tensor (position ids: B*S integers, never a mask) over
     the SP group, so that a kernel that runs on the full sequence knows its document boundaries."""
-    P = _size_and_rank(group)[0]
+    P = size_and_rank(group)[0]
     if P == 1:
         return x
     parts = [torch.empty_like(x) for _ in range(P)]
