@@ -30,9 +30,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 import torch.utils.checkpoint
 
-from tiled import tiled_lm_loss, tiled_mlp
-from ulysses import (causal_attention, document_attention, gather_sequence, head_layout, heads_to_seq,
-                     local_attention, seq_to_heads, size_and_rank, ulysses_attention)
+from tiled import at_least_float32, tiled_lm_loss, tiled_mlp
+from ulysses import (causal_attention, check_shards, document_attention, gather_sequence, head_layout,
+                     heads_to_seq, local_attention, seq_to_heads, size_and_rank, ulysses_attention)
 
 
 @dataclass
@@ -265,7 +265,7 @@ class Head(nn.Module):
         self.tiles = cfg.tiles
 
     def logits(self, x, norm_weight, lm_head_weight):
-        return F.linear(F.rms_norm(x, x.shape[-1:], norm_weight, self.norm.eps), lm_head_weight).float()
+        return at_least_float32(F.linear(F.rms_norm(x, x.shape[-1:], norm_weight, self.norm.eps), lm_head_weight))
 
     def forward(self, x, labels=None):
         weights = (self.norm.weight, self.lm_head.weight)
@@ -300,6 +300,7 @@ class GPT(nn.Module):
     def forward(self, idx, position_ids, labels=None, packed=False):
         """idx, position_ids, labels: [B, S_local], this rank's tokens. position_ids are positions in the full
         sequence, or, with packed=True, in each document (0 where a document starts, and only there)."""
+        check_shards(idx, self.sp_group)  # one tiny collective, before the first all-to-all could abort on a mismatch
         window = self.cfg.window
         # the kernels run on the full sequence, so with packing they need the document starts of the full sequence
         full_positions = gather_sequence(position_ids, self.sp_group) if packed else None

@@ -336,6 +336,27 @@ def test_tiles_recompute_under_the_forward_autocast():
     assert grad_out is None
 
 
+def test_tiles_keep_float64():
+    """A float64 layer stays float64 tiled: the parameter gradients summed over tiles, and the loss, are never
+    rounded to float32 on the way (half precision is widened to float32, nothing is ever narrowed)."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 13, 8, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(5, 8, dtype=torch.float64, requires_grad=True)
+    labels = torch.randint(0, 5, (2, 13))
+    linear = lambda t, w: t @ w.T
+    for tiled_run, plain_run in (
+            (lambda: tiled.tiled_mlp(linear, x, (w,), 1), lambda: linear(x, w)),
+            (lambda: tiled.tiled_mlp(linear, x, (w,), 4), lambda: linear(x, w)),
+            (lambda: tiled.tiled_lm_loss(linear, x, labels, (w,), 4)[0],
+             lambda: F.cross_entropy(linear(x, w).flatten(0, 1), labels.flatten(), reduction="sum"))):
+        results = []
+        for run in (tiled_run, plain_run):
+            out = run()
+            results.append([out.detach(), *torch.autograd.grad(out.sum(), (x, w))])
+        assert results[0][0].dtype == torch.float64
+        assert_all_close(results[0], results[1], rtol=1e-13, atol=1e-13)
+
+
 # ================================================================================================================
 # gpt.py: the whole model, SP=P equals SP=1, with padding, packing, tiles and recomputation
 
@@ -479,7 +500,8 @@ def _delta_rule_inputs(B, S, H, D, dtype):
     g = torch.Generator().manual_seed(0)
     q, k = (F.normalize(torch.randn(B, H, S, D, generator=g, dtype=dtype), dim=-1) for _ in range(2))
     v, beta = torch.randn(B, H, S, D, generator=g, dtype=dtype), torch.rand(B, H, S, generator=g, dtype=dtype)
-    decay = -torch.empty(H, 1, dtype=dtype).uniform_(1, 16, generator=g) * torch.rand(B, H, S, generator=g, dtype=dtype) / 4
+    rate = torch.empty(H, 1, dtype=dtype).uniform_(1, 16, generator=g)  # exp(A_log)
+    decay = -rate * torch.rand(B, H, S, generator=g, dtype=dtype) / 4  # g = -exp(A_log) * softplus(...)
     return [t.transpose(1, 2).requires_grad_() for t in (q, k, v, decay, beta)]
 
 
@@ -763,6 +785,12 @@ def test_resume_on_any_layout(tmp_path, capsys):
     (1, ["--save-every", "5"], r"--resume and --save-every need --out-dir"),
     (1, ["--offload"], r"--offload keeps the block inputs that --recompute saves in CPU memory; add --recompute"),
     (1, ["--layer-pattern", "adx"], r"layer_pattern='adx': use the letters a \(softmax attention\) and d"),
+    (1, ["--lr", "nan"], r"--lr nan must be a finite number above 0"),
+    (1, ["--lr=-1e-3"], r"--lr -0.001 must be a finite number above 0"),
+    (1, ["--weight-decay", "inf"], r"--weight-decay inf must be a finite number of 0 or more"),
+    (1, ["--grad-clip", "-1"], r"--grad-clip -1 must be a finite number of 0 or more"),
+    (1, ["--timeout", "0"], r"--timeout 0 must be a finite number above 0"),
+    (1, ["--warmup", "-2"], r"--warmup -2 must be 0 or more steps"),
 ])
 def test_bad_input_is_refused(monkeypatch, tmp_path, world_size, argv, message):
     (tmp_path / "empty.txt").write_text("")
@@ -771,6 +799,31 @@ def test_bad_input_is_refused(monkeypatch, tmp_path, world_size, argv, message):
     with pytest.raises(SystemExit, match=message):
         train.main(argv)
     assert not dist.is_initialized()
+
+
+def test_torchrun_shows_the_error_line_once(tmp_path):
+    """Under torchrun every rank finds the mistake; its line is printed once, before torchrun's own report."""
+    done = subprocess.run(torchrun(4) + ["--lr", "nan"], cwd=HERE, capture_output=True, text=True, timeout=120)
+    output = done.stdout + done.stderr
+    assert done.returncode != 0
+    assert output.count("train.py: error: --lr nan must be a finite number above 0") == 1
+    assert output.index("train.py: error:") < output.index("FAILED")
+
+
+def _unequal_shards_rank(rank, world_size):
+    model = GPT(GPTConfig(n_layer=1, n_embd=32), sp_group=dist.group.WORLD)
+    idx = torch.zeros(2, 3 + rank, dtype=torch.long)  # rank 0: 3 tokens, rank 1: 4
+    try:
+        model(idx, torch.arange(3 + rank).expand(2, -1))
+    except ValueError as e:
+        return str(e)
+
+
+def test_shards_of_different_lengths_are_refused():
+    """Shards made by hand with different lengths: a clear error on every rank, not an abort inside gloo."""
+    for message in run_ranks(2, _unequal_shards_rank):
+        assert message.startswith("the ranks of the SP group hold [batch, tokens] shards of different shapes, "
+                                  "[(2, 3), (2, 4)] by rank")
 
 
 SHORT_RUN = ["--steps", "6", "--save-every", "3", "--n-layer", "2", "--n-embd", "32", "--seq-len", "32"]

@@ -49,6 +49,11 @@ def _as_tuple(outputs):
     return outputs if isinstance(outputs, tuple) else (outputs,)
 
 
+def at_least_float32(t):
+    """bf16 and fp16 widened to float32, for sums and losses that must not round; float64 left as it is."""
+    return t.to(torch.promote_types(t.dtype, torch.float32))
+
+
 class _SequenceTiled(torch.autograd.Function):
     @staticmethod
     def forward(ctx, fn, n_tiles, n_inputs, *inputs_and_params):
@@ -82,7 +87,7 @@ class _SequenceTiled(torch.autograd.Function):
             grads = torch.autograd.grad([out for out, _ in pairs], [tensors[j] for j in wanted],
                                         [grad for _, grad in pairs], allow_unused=True)
             # Step 3: an input's tile gradient fills the tile's slice; a parameter's gradients add up over the
-            # tiles, in float32 so that bf16 parameters are not rounded once per tile.
+            # tiles, in at least float32 so that bf16 parameters are not rounded once per tile.
             for j, grad in zip(wanted, grads):
                 if grad is None:
                     continue
@@ -90,7 +95,7 @@ class _SequenceTiled(torch.autograd.Function):
                     input_grads[j].tensor_split(n_tiles, dim=1)[i].copy_(grad)  # (B, s, ...) into (B, S, ...)
                 else:
                     k = j - len(inputs)
-                    param_grads[k] = grad.float() if param_grads[k] is None else param_grads[k].add_(grad)
+                    param_grads[k] = at_least_float32(grad) if param_grads[k] is None else param_grads[k].add_(grad)
         unused = [k for k, need in enumerate(needs_grad[len(inputs):]) if need and param_grads[k] is None]
         if unused:
             raise ValueError(f"fn's output does not depend on params {unused}: fn must compute with the params it "
@@ -134,13 +139,14 @@ def tiled_lm_loss(head_fn, x, labels, params, n_tiles=None):
 
     head_fn(x_tile, *params) -> logits [B, s, vocab] (e.g. final norm then lm_head, params their two weights).
     x [B, S, h], labels [B, S] with -100 for tokens without a label. Returns (loss_sum, correct): the sum of
-    float32 token cross-entropies and the number of tokens whose argmax is the label, both over the labelled
-    tokens only (a tile, or a rank, without labels adds 0). Kept for backward: x and labels, nothing of size
-    vocab; the largest transients are one tile's float32 logits and their gradient, [B, S/T, vocab] each.
+    token cross-entropies (float32, or float64 for float64 logits) and the number of tokens whose argmax is the
+    label, both over the labelled tokens only (a tile, or a rank, without labels adds 0). Kept for backward: x and
+    labels, nothing of size vocab; the largest transients are one tile's logits and their gradient,
+    [B, S/T, vocab] each.
     The default tile count is the MLP's rule, which bounds a tile's logits by B times the lm_head weight.
     """
     def loss_and_correct(x_tile, labels_tile, *params):  # (B, s, h), (B, s)
-        logits = head_fn(x_tile, *params).float()  # (B, s, vocab)
+        logits = at_least_float32(head_fn(x_tile, *params))  # (B, s, vocab)
         loss = F.cross_entropy(logits.flatten(0, 1), labels_tile.flatten(), ignore_index=-100, reduction="none")
         correct = logits.argmax(-1) == labels_tile  # (B, s); a label of -100 never matches
         return loss.view_as(labels_tile), correct  # (B, s), (B, s)

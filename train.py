@@ -59,12 +59,13 @@ def parse_args(argv=None):
     p.add_argument("--batch-size", type=int, default=8, help="sequences per DP rank per micro-step")
     p.add_argument("--grad-accum", type=int, default=1, help="micro-steps per optimizer step")
     p.add_argument("--steps", type=int, default=600, help="optimizer steps")
-    p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
+    p.add_argument("--lr", type=float, default=None, help="peak learning rate (default: 3e-3; 5e-4 with Gated "
+                   "DeltaNet layers, which fail to learn the copy task at 1e-3 and above)")
     p.add_argument("--warmup", type=int, default=None, help="warmup steps (default: steps/10)")
     p.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay, on every parameter")
     p.add_argument("--grad-clip", type=float, default=1.0, help="max global gradient norm (0: off)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--n-layer", type=int, default=2)
+    p.add_argument("--n-layer", type=int, default=None, help="layers (default: 2, or the length of --layer-pattern)")
     p.add_argument("--n-head", type=int, default=4)
     p.add_argument("--n-kv-head", type=int, default=None, help="key/value heads (default: n_head)")
     p.add_argument("--n-embd", type=int, default=128)
@@ -446,8 +447,10 @@ def open_metrics(args, start_step):
 
 
 def fail(message):
-    """A mistake the user can fix: one line (from rank 0 only), non-zero exit, before any collective can hang."""
-    raise SystemExit(f"train.py: error: {message}" if int(os.environ.get("RANK", 0)) == 0 else 1)
+    """A mistake the user can fix: one line, non-zero exit, before any collective can hang. Every rank finds the
+    same mistake, and rank 0 reports it. The others leave at once with status 0: torchrun stops every process as
+    soon as one fails, and rank 0 might not have written its line yet. The run fails all the same, with rank 0."""
+    raise SystemExit(f"train.py: error: {message}" if int(os.environ.get("RANK", 0)) == 0 else 0)
 
 
 def check_args(args, world_size):
@@ -455,6 +458,8 @@ def check_args(args, world_size):
     args.sp = world_size if args.sp is None else args.sp
     args.n_kv_head = args.n_head if args.n_kv_head is None else args.n_kv_head
     args.zero = ("3" if world_size > 1 else "0") if args.zero is None else args.zero
+    args.n_layer = max(2, len(args.layer_pattern)) if args.n_layer is None else args.n_layer
+    args.lr = (5e-4 if "d" in args.layer_pattern else 3e-3) if args.lr is None else args.lr
     for name in ("seq_len", "batch_size", "grad_accum", "steps", "n_layer", "n_head", "n_kv_head", "n_embd", "tiles"):
         if getattr(args, name) < 1:
             fail(f"--{name.replace('_', '-')} {getattr(args, name)} must be at least 1")
@@ -470,6 +475,13 @@ def check_args(args, world_size):
         fail(e)
     if args.window < 0:
         fail(f"--window {args.window} must be 0 (full attention) or a number of tokens")
+    for name, zero_allowed in (("lr", False), ("weight_decay", True), ("grad_clip", True), ("timeout", False)):
+        value = getattr(args, name)
+        if not (math.isfinite(value) and (value >= 0 if zero_allowed else value > 0)):
+            fail(f"--{name.replace('_', '-')} {value:g} must be a finite number "
+                 f"{'of 0 or more' if zero_allowed else 'above 0'}")
+    if args.warmup is not None and args.warmup < 0:
+        fail(f"--warmup {args.warmup} must be 0 or more steps")
     if args.offload and not args.recompute:
         fail("--offload keeps the block inputs that --recompute saves in CPU memory; add --recompute")
     if args.device == "cuda" and not torch.cuda.is_available():

@@ -75,6 +75,22 @@ def global_valid_tokens(labels, group=None):
     return count.clamp(min=1)
 
 
+def check_shards(x, group=None):
+    """ValueError unless every rank of the group holds a batch of the same [B, S_local] shape as x ([B, S_local,
+    ...]). The all-to-alls assume it, and a mismatch would otherwise abort the processes inside the collective.
+    shard_for_sp always cuts equal shards; a model that takes shards made by hand calls this once per forward
+    (one all-gather of two numbers)."""
+    P = size_and_rank(group)[0]
+    if P == 1:
+        return
+    shapes = [torch.zeros(2, dtype=torch.long, device=x.device) for _ in range(P)]
+    dist.all_gather(shapes, torch.tensor(x.shape[:2], device=x.device), group=group)
+    shapes = [tuple(s.tolist()) for s in shapes]
+    if len(set(shapes)) > 1:
+        raise ValueError(f"the ranks of the SP group hold [batch, tokens] shards of different shapes, {shapes} by "
+                         f"rank; each must hold S/P tokens of the same batch (shard_for_sp pads S to a multiple of P)")
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # which heads each rank holds
 
