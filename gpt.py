@@ -31,8 +31,8 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 
 from tiled import at_least_float32, tiled_lm_loss, tiled_mlp
-from ulysses import (causal_attention, check_shards, document_attention, gather_sequence, head_layout,
-                     heads_to_seq, local_attention, seq_to_heads, size_and_rank, ulysses_attention)
+from ulysses import (causal_attention, check_shards, document_attention, document_bounds, gather_sequence,
+                     head_layout, heads_to_seq, local_attention, seq_to_heads, size_and_rank, ulysses_attention)
 
 
 @dataclass
@@ -115,9 +115,9 @@ def gated_delta_rule(q, k, v, g, beta, starts=None):
     return torch.stack(outputs, dim=1)  # (B, S, H, D)
 
 
-def _masked_exp(log_decay, keep, dtype):
+def _masked_exp(log_decay, keep):
     """exp(log_decay) where keep, else 0, masked before exp so that nothing overflows."""
-    return (torch.where(keep, log_decay, 0.0).exp() * keep).to(dtype)
+    return torch.where(keep, log_decay, 0.0).exp() * keep
 
 
 def chunk_gated_delta_rule(q, k, v, g, beta, starts=None, chunk_size=64):
@@ -141,13 +141,12 @@ def chunk_gated_delta_rule(q, k, v, g, beta, starts=None, chunk_size=64):
     q, k, v, g, beta = map(chunked, (q * D ** -0.5, k, v, g, beta))  # q, k, v: (B, H, n, C, D); g, beta: (B, H, n, C)
     starts = torch.zeros(B, S, dtype=torch.bool, device=q.device) if starts is None else starts
     document = F.pad(starts, (0, n * C - S)).reshape(B, 1, n, C).cumsum(-1)  # (B, 1, n, C): 0 = the one entered
-    # the running log-decays reach -100 within a chunk; in float64 their differences keep all their digits
-    G = g.double().cumsum(-1)  # (B, H, n, C)
+    G = g.cumsum(-1)  # (B, H, n, C)
     causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
     same_document = (document[..., :, None] == document[..., None, :]) & causal  # (B, 1, n, C, C)
-    Dec = _masked_exp(G[..., :, None] - G[..., None, :], same_document, q.dtype)  # (B, H, n, C, C)
-    from_start = _masked_exp(G, document == 0, q.dtype)  # (B, H, n, C): decay from M0 to token t
-    to_end = _masked_exp(G[..., -1:] - G, document == document[..., -1:], q.dtype)  # token t to the chunk end
+    Dec = _masked_exp(G[..., :, None] - G[..., None, :], same_document)  # (B, H, n, C, C)
+    from_start = _masked_exp(G, document == 0)  # (B, H, n, C): decay from M0 to token t
+    to_end = _masked_exp(G[..., -1:] - G, document == document[..., -1:])  # (B, H, n, C): token t to chunk end
     # the UT transform, for every chunk at once: one triangular solve gives U~ and W
     A = (beta[..., None] * (k @ k.transpose(-1, -2)) * Dec).tril(-1)  # (B, H, n, C, C)
     right = torch.cat([beta[..., None] * v, (beta * from_start)[..., None] * k], dim=-1)  # (B, H, n, C, 2D)
@@ -167,16 +166,16 @@ def chunk_gated_delta_rule(q, k, v, g, beta, starts=None, chunk_size=64):
 
 
 def causal_conv1d(x, weight, starts=None):
-    """Depthwise causal convolution over the sequence: x [B, S, channels], weight [channels, W] -> [B, S, channels],
-    out_t = sum_i weight[:, W-1-i] * x_{t-i}, where x_{t-i} counts as 0 before the start of token t's document."""
-    B, S, _ = x.shape
-    position = torch.arange(S, device=x.device).expand(B, S)  # (B, S)
-    if starts is not None:  # the position inside the document: t minus the last start at or before t
-        position = position - torch.where(starts, position, 0).cummax(dim=1).values
-    out = torch.zeros_like(x)
-    for i in range(weight.shape[1]):  # i tokens back
-        out = out + (position >= i)[..., None] * weight[:, -1 - i] * F.pad(x, (0, 0, i, 0))[:, :S]
-    return out
+    """Depthwise causal convolution over the sequence, restarting at every document: x [B, S, channels], weight
+    [channels, W] -> [B, S, channels], out_t = sum_i weight[:, W-1-i] * x_{t-i} over the tokens of t's document."""
+    B, S, C = x.shape
+    W = weight.shape[1]
+    conv = lambda t: F.conv1d(F.pad(t.transpose(1, 2), (W - 1, 0)), weight[:, None], groups=C).transpose(1, 2)
+    if starts is None:
+        return conv(x)  # (B, S, C)
+    bounds = document_bounds(starts).tolist()
+    stream = x.reshape(1, B * S, C)  # the batch as one stream of documents
+    return torch.cat([conv(stream[:, s:e]) for s, e in zip(bounds[:-1], bounds[1:])], dim=1).view(B, S, C)
 
 
 def gated_delta_net(q, k, v, b, a, conv_weight, A_log, dt_bias, starts=None):

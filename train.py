@@ -90,13 +90,18 @@ def parse_args(argv=None):
     p.add_argument("--timeout", type=float, default=300, help="seconds a collective may wait for a peer")
     p.add_argument("--metrics", default=None, help="write one JSON line per optimizer step to this file")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cpu", "cuda"])
+    p.add_argument("--plan", default=None, metavar="NxGIB", help="print this rank's predicted memory on N GPUs of "
+                   "GIB GiB each (e.g. 8x80) for the other flags, and exit without training")
     return p.parse_args(argv)
 
 
 def main(argv=None):
     args = parse_args(argv)
-    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    world_size = int(os.environ.get("WORLD_SIZE", 1)) if args.plan is None else plan_world_size(args)
     check_args(args, world_size)  # every mistake is found before any process waits on another
+    if args.plan is not None:
+        return print_plan(args, world_size)
+    check_memory(args, world_size)  # and a run that cannot fit is refused before it allocates anything
     documents = read_documents(args)
     checkpoint = find_checkpoint(args, world_size)
     owns_process_group = not dist.is_initialized()
@@ -153,10 +158,11 @@ def train(args, world_size, mesh, device, documents, checkpoint):
     start_step = restore(checkpoint, model, zero, optimizer, args, rank) if checkpoint else 0
     if rank == 0:
         print(f"world {world_size} = dp {dp} x sp {args.sp} | zero {args.zero} | {n_params / 1e6:.2f}M parameters | "
-              f"seq {args.seq_len} | global batch {dp * args.batch_size * args.grad_accum} sequences | {device}")
+              f"seq {args.seq_len} | global batch {dp * args.batch_size * args.grad_accum} sequences | {device} | "
+              f"predicted peak {predict_memory(args, world_size)['peak'] / 2**20:,.2f} MiB per rank")
 
     metrics = open_metrics(args, start_step) if rank == 0 else None
-    history, total_seconds, peak_bytes = [], 0.0, None
+    history, total_seconds = [], 0.0
     ulysses.reset_all_to_all_stats()
     bar = tqdm(range(start_step, args.steps), disable=rank != 0, dynamic_ncols=True, initial=start_step,
                total=args.steps)
@@ -166,15 +172,17 @@ def train(args, world_size, mesh, device, documents, checkpoint):
             t0 = time.perf_counter()
             micro_batches = [load_micro_batch(args, documents, step, micro, dp, dp_rank, sp_group, device)
                              for micro in range(args.grad_accum)]
-            measure = device.type == "cpu" and step == args.steps - 1  # the last step; every step is alike
-            with memory_tracker(model, optimizer, zero) if measure else nullcontext() as tracker:
+            last = step == args.steps - 1  # its peak memory is measured; every step is alike
+            with memory_tracker(model, optimizer, zero) if last and device.type == "cpu" else nullcontext() as tracker:
                 loss, accuracy, grad_norm, lr = train_step(step, micro_batches, model, zero, optimizer, args, tracker)
-            peak_bytes = tracker.get_tracker_snapshot("peak")[device]["Total"] if measure else peak_bytes
             seconds = time.perf_counter() - t0
             total_seconds += seconds
             tokens = dp * args.grad_accum * args.batch_size * args.seq_len
             history.append({"step": step + 1, "loss": loss, "grad_norm": grad_norm, "lr": lr, "tokens": tokens,
                             "seconds": seconds, "accuracy": accuracy})
+            if last:  # bytes, this rank
+                history[-1]["peak_bytes"] = (torch.cuda.max_memory_allocated(device) if device.type == "cuda" else
+                                             tracker.get_tracker_snapshot("peak")[device]["Total"])
             bar.set_postfix(loss=f"{loss:.4f}", acc=f"{accuracy:.3f}", tok_s=f"{tokens / seconds:.0f}")
             if metrics:
                 metrics.write(json.dumps(history[-1]) + "\n")
@@ -188,8 +196,7 @@ def train(args, world_size, mesh, device, documents, checkpoint):
         if metrics:
             metrics.close()
     if history:  # the last step's gradients are still there to be counted
-        summarize(args, history, total_seconds, model_state_bytes(optimizer), peak_bytes, n_params, world_size,
-                  device, rank)
+        summarize(args, history, total_seconds, model_state_bytes(optimizer), n_params, world_size, device, rank)
     return history
 
 
@@ -484,7 +491,7 @@ def check_args(args, world_size):
         fail(f"--warmup {args.warmup} must be 0 or more steps")
     if args.offload and not args.recompute:
         fail("--offload keeps the block inputs that --recompute saves in CPU memory; add --recompute")
-    if args.device == "cuda" and not torch.cuda.is_available():
+    if args.device == "cuda" and not torch.cuda.is_available() and args.plan is None:
         fail("--device cuda, but torch sees no CUDA device; choose --device cpu")
     if (args.resume or args.save_every) and args.out_dir is None:
         fail("--resume and --save-every need --out-dir")
@@ -519,6 +526,92 @@ def collective_failure(error, rank, step, args):
 
 # ----------------------------------------------------------------------------------------------------------------
 # reporting
+
+
+def predict_memory(args, world_size, cuda=None):
+    """This rank's peak tensor memory in one training step, predicted from the flags alone (the model is built on
+    the meta device: shapes, no memory). The per-token counts are what autograd keeps for backward in gpt.py's
+    layers, counted on CPU; on CUDA the same counts are taken in bf16. Returns bytes: {"peak", "state",
+    "activations", "offloaded" (kept in CPU memory by --offload)}."""
+    cuda = args.device == "cuda" if cuda is None else cuda
+    with torch.device("meta"):
+        model = GPT(model_config(args))
+    n_params = sum(p.numel() for p in model.parameters())
+    unit = max(sum(p.numel() for p in u.parameters()) for u in model.units())  # the largest unit ZeRO-3 gathers
+    e, h, V, H, D = (2 if cuda else 4), args.n_embd, model.cfg.vocab_size, args.n_head, args.n_embd // args.n_head
+    query_heads, kv_heads = ulysses.head_layout(args.n_head, args.n_kv_head, args.sp)
+    q, kv = (max(map(len, heads)) * args.sp * D for heads in (query_heads, kv_heads))  # per local token, busiest rank
+    T = args.batch_size * math.ceil(args.seq_len / args.sp)  # local tokens per micro-step
+    mlp = 9 * h if args.tiles == 1 else h  # its input, fc output and gelu output; tiled, its input alone
+    kept = {"a": 5 * h + 2 * (q + 2 * kv) + mlp,  # norms in and out, projection input, the kernel's q, k, v, out
+            "d": 26.4 * h + mlp + 8.3 * 64 * H + 4.1 * D * D * H / 64}  # and the chunks' matrices (chunk 64)
+    layers = [kept[args.layer_pattern[i % len(args.layer_pattern)]] for i in range(args.n_layer)]
+    blocks = T * e * (args.n_layer * h if args.recompute else sum(layers))  # kept until backward (recompute: inputs)
+    offloaded = blocks if args.offload and cuda else 0
+    # the head's backward: what it keeps (tiled: its input) with the float32 logits' gradient and softmax
+    head = T * (3 * h * e + 12 * V if args.tiles == 1 else 2 * h * e + 8 * V / args.tiles)
+    layer = T * e * ((max(layers) if args.recompute else 0) + 4 * h)  # a recomputed layer, gradients in flight
+    activations = blocks - offloaded + T * e * 2 * D + max(head, layer)  # + RoPE's cos and sin
+    if args.zero == "0":  # everything on every rank (on CUDA also autocast's bf16 copy of the weights)
+        state, local = (16 + (2 if cuda else 0)) * n_params, n_params
+    else:  # float32 shards of params, grads and AdamW's two moments, and two gathered units (compute dtype)
+        state, local = 16 * n_params / world_size + 2 * unit * e, n_params / world_size
+    peak = state + max(activations, 8 * local)  # AdamW's step makes temporaries the size of the parameters
+    return {"peak": peak, "state": state, "activations": activations, "offloaded": offloaded}
+
+
+def plan_world_size(args):
+    try:
+        ranks, gib = args.plan.lower().split("x")
+        args.plan_memory = float(gib) * 2**30
+        return int(ranks)
+    except ValueError:
+        fail(f"--plan {args.plan}: write it as GPUSxGIB, e.g. 8x80 for 8 GPUs of 80 GiB")
+
+
+def print_plan(args, world_size):
+    """--plan: the predicted memory of this run on the GPUs named, and the longest sequence that would fit."""
+    predict = lambda seq_len: predict_memory(argparse.Namespace(**{**vars(args), "seq_len": seq_len}), world_size,
+                                             cuda=True)
+    m, gib = predict(args.seq_len), lambda b: f"{b / 2**30:,.1f} GiB"
+    longest = args.sp  # doubled while it fits, then halved steps: to within 1/64 of the limit
+    while predict(2 * longest)["peak"] <= args.plan_memory:
+        longest *= 2
+    for step in (longest // 2**k for k in range(1, 7)):
+        longest += step if predict(longest + step)["peak"] <= args.plan_memory else 0
+    print(f"plan: {world_size} GPUs of {gib(args.plan_memory)}, sp {args.sp}, seq {args.seq_len:,} "
+          f"({math.ceil(args.seq_len / args.sp):,} tokens a rank): peak {gib(m['peak'])} per GPU = model state "
+          f"{gib(m['state'])} + activations {gib(m['activations'])} ({gib(m['offloaded'])} more in CPU memory); "
+          f"{'fits' if m['peak'] <= args.plan_memory else 'does NOT fit'}; the longest that fits: about "
+          f"{longest:,} tokens")
+    return m
+
+
+def available_memory(args):
+    """Bytes this rank may use: free GPU memory, or its share of the machine's available RAM."""
+    if args.device == "cuda":
+        return torch.cuda.mem_get_info(int(os.environ.get("LOCAL_RANK", 0)))[0]
+    with open("/proc/meminfo") as f:
+        free = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable"))
+    return free // int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+
+
+def check_memory(args, world_size):
+    """Refuse a run whose predicted peak exceeds this rank's memory, naming what would make it fit."""
+    need, have = predict_memory(args, world_size)["peak"], available_memory(args)
+    if need <= have:
+        return
+    options = [("--recompute", {"recompute": True}), ("--tiles 16", {"tiles": max(16, args.tiles)}),
+               ("--recompute --tiles 16", {"recompute": True, "tiles": max(16, args.tiles)}),
+               (f"--sp {world_size}", {"sp": world_size})]
+    better = []
+    for flags, change in options:
+        if any(getattr(args, k) != v for k, v in change.items()):
+            peak = predict_memory(argparse.Namespace(**{**vars(args), **change}), world_size)["peak"]
+            better.append(f"{flags}: {peak / 2**30:,.2f} GiB{' (fits)' if peak <= have else ''}")
+    fail(f"this run needs about {need / 2**30:,.2f} GiB per rank ({math.ceil(args.seq_len / args.sp):,} tokens a "
+         f"rank) and {have / 2**30:,.2f} GiB is available; {'; '.join(better) or 'nothing else helps'}; or use more "
+         f"ranks, or a shorter --seq-len")
 
 
 def all_to_all_bytes_formula(args, element_bytes, rank=0):
@@ -558,10 +651,8 @@ def memory_tracker(model, optimizer, zero):
     return tracker
 
 
-def summarize(args, history, total_seconds, state_bytes, peak_bytes, n_params, world_size, device, rank):
-    if device.type == "cuda":
-        peak_bytes = torch.cuda.max_memory_allocated(device)
-    peaks = torch.tensor([float(peak_bytes), *map(float, state_bytes.values())], device=device)
+def summarize(args, history, total_seconds, state_bytes, n_params, world_size, device, rank):
+    peaks = torch.tensor([float(history[-1]["peak_bytes"]), *map(float, state_bytes.values())], device=device)
     dist.all_reduce(peaks, op=dist.ReduceOp.MAX)  # (peak, params, grads, optimizer)
     if rank != 0:
         return
@@ -578,7 +669,8 @@ def summarize(args, history, total_seconds, state_bytes, peak_bytes, n_params, w
           f"{mib(optim)} = {mib(params + grads + optim)}; unsharded fp32 {mib(16 * n_params)}, "
           f"/ {world_size} ranks = {mib(16 * n_params / world_size)}")
     how = "torch.cuda.max_memory_allocated" if device.type == "cuda" else "MemTracker, last step"
-    print(f"peak tensor memory per rank (max over ranks, {how}): {mib(peaks[0].item())}")
+    print(f"peak tensor memory per rank (max over ranks, {how}): {mib(peaks[0].item())} (predicted "
+          f"{mib(predict_memory(args, world_size)['peak'])})")
     print(f"all-to-all of rank 0 per step: {measured:,.0f} bytes sent (formula {formula:,} bytes); calls per layer "
           f"per micro-step: {sent['forward']['calls'] / micro_layers:g} forward, "
           f"{sent['backward']['calls'] / micro_layers:g} backward")

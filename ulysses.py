@@ -115,8 +115,8 @@ def head_layout(n_head, n_kv_head, P):
     if n_head % n_kv_head:
         raise ValueError(f"n_head={n_head} is not a multiple of n_kv_head={n_kv_head}")
     if P > n_head:
-        raise ValueError(f"sp={P} is larger than n_head={n_head}: a rank would hold no head; "
-                         f"choose sp in {{{', '.join(map(str, range(1, n_head + 1)))}}}")
+        valid = ", ".join(map(str, range(1, n_head + 1))) if n_head <= 8 else f"1, 2, ..., {n_head}"
+        raise ValueError(f"sp={P} is larger than n_head={n_head}: a rank would hold no head; choose sp in {{{valid}}}")
     per_kv = n_head // n_kv_head  # query heads per kv head
     base, extra = divmod(n_head, P)
     starts = [r * base + min(r, extra) for r in range(P + 1)]
@@ -318,14 +318,13 @@ def local_attention(q, k, v, window):
     return _sdpa(q, k, v, attn_mask=(distance >= 0) & (distance < window))
 
 
-def document_starts(position_ids):
-    """position_ids [B, S] of the FULL sequence -> the flat indices (into B*S) where a document starts: wherever
-    the position is 0, and at the start of every row. Plus B*S at the end (cu_seqlens, as flash-attn calls it)."""
-    B, S = position_ids.shape
-    starts = position_ids.flatten() == 0  # (B*S,)
-    starts[::S] = True  # each row of the batch starts a document
-    end = torch.tensor([B * S], device=position_ids.device)
-    return torch.cat([starts.nonzero().flatten(), end])  # (documents + 1,)
+def document_bounds(starts):
+    """starts [B, S], True where a document starts -> where each document of the batch, seen as one stream of
+    B*S tokens, begins (every row begins one too), followed by B*S: flash-attn's cu_seqlens."""
+    B, S = starts.shape
+    starts = starts.flatten().clone()  # (B*S,)
+    starts[::S] = True
+    return torch.cat([starts.nonzero().flatten(), torch.tensor([B * S], device=starts.device)])  # (documents + 1,)
 
 
 def document_attention(q, k, v, position_ids, window=None):
@@ -334,7 +333,7 @@ def document_attention(q, k, v, position_ids, window=None):
     with flash-attn one variable-length kernel call covers all documents; otherwise SDPA runs per document,
     so memory grows with the longest document, never as S^2."""
     B, S, Hq, D = q.shape
-    cu_seqlens = document_starts(position_ids)  # (documents + 1,)
+    cu_seqlens = document_bounds(position_ids == 0)  # (documents + 1,)
     q, k, v = (t.flatten(0, 1) for t in (q, k, v))  # (B*S, heads, D): the batch as one long token stream
     if flash_attn_varlen_func is not None and _use_flash(q):
         cu_seqlens = cu_seqlens.to(torch.int32)
