@@ -31,8 +31,9 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 
 from tiled import at_least_float32, tiled_lm_loss, tiled_mlp
-from ulysses import (causal_attention, check_shards, document_attention, document_bounds, gather_sequence,
-                     head_layout, heads_to_seq, local_attention, seq_to_heads, size_and_rank, ulysses_attention)
+from ulysses import (all_to_all_bytes, causal_attention, check_shards, document_attention, document_bounds,
+                     gather_sequence, head_layout, heads_to_seq, local_attention, seq_to_heads, size_and_rank,
+                     ulysses_attention)
 
 
 @dataclass
@@ -92,6 +93,15 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # rotated by their global positions
         y = ulysses_attention(q, k, v, self.sp_group, attend)  # (B, S_local, n_head, D)
         return self.proj(y.reshape(B, S_local, -1))  # (B, S_local, h)
+
+    def all_to_all_bytes(self, tokens, element_bytes):
+        """(forward, backward) bytes this rank sends per call on `tokens` local tokens: q, k and v to the other
+        ranks' heads and the output back; backward the reverse. ulysses.all_to_all_bytes counts each."""
+        P, rank = size_and_rank(self.sp_group)
+        query_heads, kv_heads = head_layout(self.n_head, self.n_kv_head, P)
+        per_head = tokens * self.head_dim * element_bytes
+        (q_there, q_back), (kv_there, kv_back) = (all_to_all_bytes(h, rank, per_head) for h in (query_heads, kv_heads))
+        return q_there + 2 * kv_there + q_back, q_there + q_back + 2 * kv_back
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -220,6 +230,15 @@ class GatedDeltaNet(nn.Module):
         o = heads_to_seq(o, self.sp_group, heads)  # (B, S_local, H, D)
         return self.proj((self.norm(o) * F.silu(z)).flatten(2))  # the gate z is per token: it never left
 
+    def all_to_all_bytes(self, tokens, element_bytes):
+        """(forward, backward) bytes this rank sends per call: q, k, v (head_dim each) and b, a (one each) to the
+        other ranks' heads and the output back; backward the reverse."""
+        P, rank = size_and_rank(self.sp_group)
+        heads = head_layout(self.n_head, self.n_head, P)[0]
+        (in_there, in_back), (out_there, out_back) = (all_to_all_bytes(heads, rank, tokens * width * element_bytes)
+                                                      for width in (3 * self.head_dim + 2, self.head_dim))
+        return in_there + out_back, out_there + in_back
+
 
 # ----------------------------------------------------------------------------------------------------------------
 
@@ -316,3 +335,38 @@ class GPT(nn.Module):
             else:
                 x = block(x, cos, sin, attend[block.kind])
         return self.head(x, labels)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# what one training step keeps in memory, predicted
+
+
+def predict_memory(cfg, tokens, sp, world_size, zero, cuda):
+    """This rank's peak tensor memory in one training step of GPT(cfg), in bytes, before anything is allocated:
+    {"peak", "state", "activations", "offloaded" (kept in CPU memory by cfg.offload)}. tokens: this rank's per
+    micro-step (B * S/sp); zero: "0", "3" or "fsdp2" over world_size ranks. The per-token counts are what
+    autograd keeps for backward in the layers above, counted on CPU in float32; on CUDA the same counts are
+    taken in bf16 (not measured there). The model is built on the meta device: shapes, no memory."""
+    with torch.device("meta"):
+        model = GPT(cfg)
+    n_params = sum(p.numel() for p in model.parameters())
+    unit = max(sum(p.numel() for p in u.parameters()) for u in model.units())  # the largest one ZeRO-3 gathers
+    e, h, V, H, D = (2 if cuda else 4), cfg.n_embd, cfg.vocab_size, cfg.n_head, cfg.n_embd // cfg.n_head
+    query_heads, kv_heads = head_layout(cfg.n_head, cfg.n_kv_head, sp)
+    q, kv = (max(map(len, heads)) * sp * D for heads in (query_heads, kv_heads))  # per local token, busiest rank
+    mlp = 9 * h if cfg.tiles == 1 else h  # its input, fc output and gelu output; tiled, its input alone
+    kept = {"a": 5 * h + 2 * (q + 2 * kv) + mlp,  # norms in and out, projection input, the kernel's q, k, v, out
+            "d": 26.4 * h + mlp + 8.3 * 64 * H + 4.1 * D * D * H / 64}  # and the chunks' matrices (chunk 64)
+    layers = [kept[block.kind] for block in model.blocks]
+    blocks = tokens * e * (cfg.n_layer * h if cfg.recompute else sum(layers))  # kept until backward
+    offloaded = blocks if cfg.offload and cuda else 0
+    # the head's backward (what it keeps, the float32 logits' gradient, the softmax), or a layer's (recomputed)
+    head = tokens * (3 * h * e + 12 * V if cfg.tiles == 1 else 2 * h * e + 8 * V / cfg.tiles)
+    layer = tokens * e * ((max(layers) if cfg.recompute else 0) + 4 * h)
+    activations = blocks - offloaded + tokens * e * 2 * D + max(head, layer)  # + RoPE's cos and sin
+    if zero == "0":  # everything on every rank (on CUDA also autocast's bf16 copy of the weights)
+        state, local = (16 + (2 if cuda else 0)) * n_params, n_params
+    else:  # float32 shards of params, grads and AdamW's two moments, and two gathered units (compute dtype)
+        state, local = 16 * n_params / world_size + 2 * unit * e, n_params / world_size
+    peak = state + max(activations, 8 * local)  # AdamW's step makes temporaries the size of the parameters
+    return {"peak": peak, "state": state, "activations": activations, "offloaded": offloaded}

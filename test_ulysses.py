@@ -704,7 +704,7 @@ def test_text_data_plain_and_packed(tmp_path):
     text = tmp_path / "text.txt"
     text.write_text("\n\n".join(f"paragraph {i}: " + "ab " * (i % 7) for i in range(40)))  # 13 to 33 bytes
     args = train.parse_args(["--data", str(text), "--seq-len", "64", "--pack"])
-    documents = train.text_documents(str(text), split=True)
+    documents = train.text_documents(args)
     assert len(documents) == 40 and bytes(documents[0].tolist()).startswith(b"paragraph 0: ")
     tokens, labels, position_ids = train.make_sample(args, documents, index=0)
     starts = (position_ids == 0).nonzero().flatten().tolist()
@@ -782,6 +782,7 @@ def test_resume_on_any_layout(tmp_path, capsys):
     (1, ["--batch-size", "0"], r"--batch-size 0 must be at least 1"),
     (1, ["--tiles", "0"], r"--tiles 0 must be at least 1"),
     (1, ["--data", "{empty}"], r"--data .*empty.txt holds no text"),
+    (1, ["--data", "{empty}", "--pack"], r"--data .*empty.txt holds no text"),
     (1, ["--save-every", "5"], r"--resume and --save-every need --out-dir"),
     (1, ["--offload"], r"--offload keeps the block inputs that --recompute saves in CPU memory; add --recompute"),
     (1, ["--layer-pattern", "adx"], r"layer_pattern='adx': use the letters a \(softmax attention\) and d"),
@@ -819,21 +820,23 @@ def test_memory_prediction_is_within_20_percent(world_size):
     for argv, peak in zip(MEMORY_RUNS[world_size], measured):
         args = train.parse_args(argv + ["--batch-size", "1"])
         train.check_args(args, world_size)
-        predicted = train.predict_memory(args, world_size)["peak"]
+        predicted = train.predicted(args, world_size)["peak"]
         assert abs(predicted / peak - 1) < 0.2, (argv, predicted, peak)
 
 
 def test_a_run_that_cannot_fit_is_refused_and_a_plan_is_printed(monkeypatch, capsys):
     monkeypatch.setenv("WORLD_SIZE", "1")
     start = time.time()
-    with pytest.raises(SystemExit, match=r"this run needs about [\d,.]+ GiB per rank \(100,000,000 tokens a rank\) and "
-                                         r"[\d,.]+ GiB is available; --recompute: [\d,.]+ GiB; --tiles 16: "):
+    with pytest.raises(SystemExit, match=r"this run would need [\d,.]+ GiB per rank for 100,000,000 tokens a rank "
+                                         r"\(model state .*\), against [\d,.]+ GiB; about [\d,]+ tokens would fit; "
+                                         r"--recompute: [\d,.]+ GiB; --tiles 16: [\d,.]+ GiB$"):
         train.main(["--seq-len", "100000000"])
     assert time.time() - start < 5
-    train.main(["--plan", "8x80", "--n-layer", "32", "--n-embd", "4096", "--n-head", "32", "--n-kv-head", "8",
-                "--seq-len", "1048576", "--batch-size", "1", "--tiles", "64", "--recompute", "--offload"])
-    assert re.search(r"plan: 8 GPUs of 80.0 GiB, sp 8, seq 1,048,576 \(131,072 tokens a rank\): peak [\d.]+ GiB "
-                     r"per GPU .* fits; the longest that fits: about [\d,]+ tokens", capsys.readouterr().out)
+    assert train.main(["--plan", "8x80", "--n-layer", "32", "--n-embd", "4096", "--n-head", "32", "--n-kv-head", "8",
+                       "--seq-len", "1048576", "--batch-size", "1", "--tiles", "64", "--recompute", "--offload"])
+    assert re.search(r"^plan: 8 GPUs, sp 8, seq 1,048,576: fits: [\d.]+ GiB per rank for 131,072 tokens a rank "
+                     r"\(model state [\d.]+ GiB \+ activations [\d.]+ GiB; [\d.]+ GiB more in CPU memory\), against "
+                     r"80.0 GiB; about [\d,]+ tokens would fit", capsys.readouterr().out)
     with pytest.raises(SystemExit, match=r"--plan 8: write it as GPUSxGIB, e.g. 8x80"):
         train.main(["--plan", "8"])
 

@@ -39,70 +39,63 @@ from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                     get_optimizer_state_dict, set_model_state_dict,
-                                                     set_optimizer_state_dict)
 from torch.distributed.device_mesh import init_device_mesh
 from tqdm import tqdm
 
 import ulysses
-from gpt import GPT, GPTConfig
-from zero3 import ZeRO3, fsdp2_shard
+from gpt import GPT, GPTConfig, predict_memory
+from zero3 import ZeRO3, fsdp2_shard, load_whole_state, whole_state
 
 MODEL_FIELDS = ("n_layer", "n_head", "n_kv_head", "n_embd", "window", "layer_pattern")  # what shapes the model
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description="Ulysses sequence-parallel GPT training", allow_abbrev=False)
-    p.add_argument("--sp", type=int, default=None, help="sequence-parallel size (default: every rank); dp = world/sp")
+    p.add_argument("--sp", type=int, help="sequence-parallel size (default: every rank); dp = world size / sp")
     p.add_argument("--seq-len", type=int, default=128, help="tokens per sequence, before padding to a multiple of sp")
     p.add_argument("--batch-size", type=int, default=8, help="sequences per DP rank per micro-step")
     p.add_argument("--grad-accum", type=int, default=1, help="micro-steps per optimizer step")
     p.add_argument("--steps", type=int, default=600, help="optimizer steps")
-    p.add_argument("--lr", type=float, default=None, help="peak learning rate (default: 3e-3; 5e-4 with Gated "
-                   "DeltaNet layers, which fail to learn the copy task at 1e-3 and above)")
-    p.add_argument("--warmup", type=int, default=None, help="warmup steps (default: steps/10)")
+    p.add_argument("--lr", type=float, help="peak learning rate (default 3e-3; 5e-4 with Gated DeltaNet layers, "
+                   "which do not learn the copy task at 1e-3 and above)")
+    p.add_argument("--warmup", type=int, help="warmup steps (default: steps/10)")
     p.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay, on every parameter")
     p.add_argument("--grad-clip", type=float, default=1.0, help="max global gradient norm (0: off)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--n-layer", type=int, default=None, help="layers (default: 2, or the length of --layer-pattern)")
+    p.add_argument("--n-layer", type=int, help="layers (default: 2, or the length of --layer-pattern)")
     p.add_argument("--n-head", type=int, default=4)
-    p.add_argument("--n-kv-head", type=int, default=None, help="key/value heads (default: n_head)")
+    p.add_argument("--n-kv-head", type=int, help="key/value heads (default: n_head)")
     p.add_argument("--n-embd", type=int, default=128)
     p.add_argument("--window", type=int, default=0, help="sliding-window attention over this many tokens (0: full)")
-    p.add_argument("--layer-pattern", default="a", help="the kind of each layer, repeated over the layers: a = softmax "
-                   "attention, d = Gated DeltaNet (linear attention); e.g. ddda, a hybrid of three to one")
-    p.add_argument("--data", default=None, help="a text file to train on as bytes (default: the copy task)")
-    p.add_argument("--pack", action="store_true", help="pack several documents into each sequence (text: split at "
-                   "blank lines; copy task: documents of random lengths); attention stays inside each document")
-    p.add_argument("--zero", choices=["0", "3", "fsdp2"], default=None,
-                   help="3: zero3.py shards params, grads and AdamW state over all dp x sp ranks (default with more "
-                        "than one rank); 0: every rank holds everything, gradients all-reduced; fsdp2: PyTorch's "
-                        "fully_shard on the same units and ranks")
+    p.add_argument("--layer-pattern", default="a", help="each layer's kind, repeated over the layers: a = softmax "
+                   "attention, d = Gated DeltaNet (linear attention); e.g. ddda")
+    p.add_argument("--data", help="a text file to train on, as bytes (default: the copy task)")
+    p.add_argument("--pack", action="store_true", help="several documents in each sequence (text: its paragraphs; "
+                   "copy task: documents of random lengths); attention stays inside each document")
+    p.add_argument("--zero", choices=["0", "3", "fsdp2"], help="3: zero3.py shards params, grads and AdamW state "
+                   "over all ranks (the default with more than one); 0: no sharding; fsdp2: PyTorch's fully_shard")
     p.add_argument("--tiles", type=int, default=1, help="run the MLP and the loss over this many sequence tiles")
-    p.add_argument("--recompute", action="store_true", help="keep only each block's input for backward and "
-                   "recompute the block there (activation checkpointing)")
-    p.add_argument("--offload", action="store_true", help="with --recompute on CUDA: keep those block inputs in CPU "
-                   "memory until backward")
-    p.add_argument("--out-dir", default=None, help="write checkpoints here (at the end, and every --save-every)")
-    p.add_argument("--save-every", type=int, default=0, help="also checkpoint every this many steps")
+    p.add_argument("--recompute", action="store_true", help="keep only block inputs for backward; recompute there")
+    p.add_argument("--offload", action="store_true", help="with --recompute, on CUDA: block inputs in CPU memory")
+    p.add_argument("--out-dir", help="write checkpoints here (at the end, and every --save-every steps)")
+    p.add_argument("--save-every", type=int, default=0)
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --out-dir")
     p.add_argument("--timeout", type=float, default=300, help="seconds a collective may wait for a peer")
-    p.add_argument("--metrics", default=None, help="write one JSON line per optimizer step to this file")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cpu", "cuda"])
-    p.add_argument("--plan", default=None, metavar="NxGIB", help="print this rank's predicted memory on N GPUs of "
-                   "GIB GiB each (e.g. 8x80) for the other flags, and exit without training")
+    p.add_argument("--metrics", help="write one JSON line per optimizer step to this file")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--plan", metavar="NxG", help="print the predicted memory per rank on N GPUs of G GiB each "
+                   "(e.g. 8x80), and exit")
     return p.parse_args(argv)
 
 
 def main(argv=None):
     args = parse_args(argv)
-    world_size = int(os.environ.get("WORLD_SIZE", 1)) if args.plan is None else plan_world_size(args)
+    if args.plan:
+        return plan(args)
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
     check_args(args, world_size)  # every mistake is found before any process waits on another
-    if args.plan is not None:
-        return print_plan(args, world_size)
     check_memory(args, world_size)  # and a run that cannot fit is refused before it allocates anything
-    documents = read_documents(args)
+    documents = text_documents(args)
     checkpoint = find_checkpoint(args, world_size)
     owns_process_group = not dist.is_initialized()
     device, mesh = setup(args, world_size)
@@ -159,7 +152,7 @@ def train(args, world_size, mesh, device, documents, checkpoint):
     if rank == 0:
         print(f"world {world_size} = dp {dp} x sp {args.sp} | zero {args.zero} | {n_params / 1e6:.2f}M parameters | "
               f"seq {args.seq_len} | global batch {dp * args.batch_size * args.grad_accum} sequences | {device} | "
-              f"predicted peak {predict_memory(args, world_size)['peak'] / 2**20:,.2f} MiB per rank")
+              f"predicted peak {predicted(args, world_size)['peak'] / 2**20:,.2f} MiB per rank")
 
     metrics = open_metrics(args, start_step) if rank == 0 else None
     history, total_seconds = [], 0.0
@@ -196,7 +189,7 @@ def train(args, world_size, mesh, device, documents, checkpoint):
         if metrics:
             metrics.close()
     if history:  # the last step's gradients are still there to be counted
-        summarize(args, history, total_seconds, model_state_bytes(optimizer), n_params, world_size, device, rank)
+        summarize(args, history, total_seconds, model, optimizer, n_params, world_size, device, rank)
     return history
 
 
@@ -283,27 +276,21 @@ def copy_document(n, length, g):
     return tokens, labels
 
 
-def text_documents(path, split):
-    """A text file as bytes (vocab 256): one document, or with split=True one per blank-line-separated paragraph."""
-    with open(path, "rb") as f:
-        raw = f.read()
-    parts = [d for d in raw.split(b"\n\n") if d.strip()] if split else [raw] if raw else []
-    return [torch.frombuffer(bytearray(d), dtype=torch.uint8).long() for d in parts]
-
-
-def read_documents(args):
-    """The text of --data (None for the copy task), checked before any process waits on another."""
+def text_documents(args):
+    """--data as bytes (vocab 256): one document, or with --pack one per blank-line-separated paragraph. None for
+    the copy task. Checked before any process waits on another."""
     if args.data is None:
         return None
     if not os.path.isfile(args.data):
         fail(f"--data {args.data}: no such file")
-    documents = text_documents(args.data, split=args.pack)
-    if not documents:
+    with open(args.data, "rb") as f:
+        raw = f.read()
+    parts = [d for d in raw.split(b"\n\n") if d.strip()] if args.pack else [raw] if raw else []
+    if not parts:
         fail(f"--data {args.data} holds no text")
-    if not args.pack and sum(len(d) for d in documents) < args.seq_len + 1:
-        fail(f"--data {args.data} has {sum(len(d) for d in documents)} bytes of text; --seq-len {args.seq_len} "
-             f"needs at least {args.seq_len + 1} (or use --pack)")
-    return documents
+    if not args.pack and len(raw) < args.seq_len + 1:
+        fail(f"--data {args.data} has {len(raw)} bytes; --seq-len {args.seq_len} needs {args.seq_len + 1} (or --pack)")
+    return [torch.frombuffer(bytearray(d), dtype=torch.uint8).long() for d in parts]
 
 
 def make_sample(args, documents, index):
@@ -393,18 +380,8 @@ def read_checkpoint(path, args, world_size):
     return trainer, load("model.pt"), load("optimizer.pt")
 
 
-def whole_state(model, zero, optimizer):
-    """The model's and AdamW's state, whole, by parameter name, on CPU (on rank 0; collectives on every rank).
-    AdamW's is torch.distributed.checkpoint's full optimizer state dict: {"state": {name: {"step", "exp_avg",
-    "exp_avg_sq"}}, "param_groups": [...]}; ZeRO3 writes the same from its flat shards."""
-    if zero:
-        return zero.state_dict(), zero.optimizer_state_dict(optimizer)
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)  # FSDP2 and plain modules alike
-    return get_model_state_dict(model, options=options), get_optimizer_state_dict(model, optimizer, options=options)
-
-
 def save_checkpoint(args, step, model, zero, optimizer, world_size, rank):
-    model_state, optimizer_state = whole_state(model, zero, optimizer)
+    model_state, optimizer_state = whole_state(model, optimizer, zero)  # collectives: every rank
     if rank == 0:
         final = os.path.join(args.out_dir, f"step_{step:06d}")
         tmp = final + ".tmp"
@@ -422,13 +399,7 @@ def save_checkpoint(args, step, model, zero, optimizer, world_size, rank):
 def restore(checkpoint, model, zero, optimizer, args, rank):
     """Load a checkpoint written on any layout into this run. Returns the number of steps already done."""
     trainer, model_state, optimizer_state = checkpoint
-    if zero:  # ZeRO-3 cuts its own shards of the whole tensors for this run's ranks
-        zero.load_state_dict(model_state)
-        zero.load_optimizer_state_dict(optimizer, optimizer_state)
-    else:  # plain modules, and FSDP2's DTensor shards
-        options = StateDictOptions(full_state_dict=True)
-        set_model_state_dict(model, model_state, options=options)
-        set_optimizer_state_dict(model, optimizer, optimizer_state, options=options)
+    load_whole_state(model, optimizer, model_state, optimizer_state, zero)  # cut for this run's ranks
     torch.set_rng_state(trainer["rng"])
     if rank == 0:
         print(f"resuming from {trainer['path']} after step {trainer['step']} (written by {trainer['world_size']} "
@@ -528,107 +499,63 @@ def collective_failure(error, rank, step, args):
 # reporting
 
 
-def predict_memory(args, world_size, cuda=None):
-    """This rank's peak tensor memory in one training step, predicted from the flags alone (the model is built on
-    the meta device: shapes, no memory). The per-token counts are what autograd keeps for backward in gpt.py's
-    layers, counted on CPU; on CUDA the same counts are taken in bf16. Returns bytes: {"peak", "state",
-    "activations", "offloaded" (kept in CPU memory by --offload)}."""
-    cuda = args.device == "cuda" if cuda is None else cuda
-    with torch.device("meta"):
-        model = GPT(model_config(args))
-    n_params = sum(p.numel() for p in model.parameters())
-    unit = max(sum(p.numel() for p in u.parameters()) for u in model.units())  # the largest unit ZeRO-3 gathers
-    e, h, V, H, D = (2 if cuda else 4), args.n_embd, model.cfg.vocab_size, args.n_head, args.n_embd // args.n_head
-    query_heads, kv_heads = ulysses.head_layout(args.n_head, args.n_kv_head, args.sp)
-    q, kv = (max(map(len, heads)) * args.sp * D for heads in (query_heads, kv_heads))  # per local token, busiest rank
-    T = args.batch_size * math.ceil(args.seq_len / args.sp)  # local tokens per micro-step
-    mlp = 9 * h if args.tiles == 1 else h  # its input, fc output and gelu output; tiled, its input alone
-    kept = {"a": 5 * h + 2 * (q + 2 * kv) + mlp,  # norms in and out, projection input, the kernel's q, k, v, out
-            "d": 26.4 * h + mlp + 8.3 * 64 * H + 4.1 * D * D * H / 64}  # and the chunks' matrices (chunk 64)
-    layers = [kept[args.layer_pattern[i % len(args.layer_pattern)]] for i in range(args.n_layer)]
-    blocks = T * e * (args.n_layer * h if args.recompute else sum(layers))  # kept until backward (recompute: inputs)
-    offloaded = blocks if args.offload and cuda else 0
-    # the head's backward: what it keeps (tiled: its input) with the float32 logits' gradient and softmax
-    head = T * (3 * h * e + 12 * V if args.tiles == 1 else 2 * h * e + 8 * V / args.tiles)
-    layer = T * e * ((max(layers) if args.recompute else 0) + 4 * h)  # a recomputed layer, gradients in flight
-    activations = blocks - offloaded + T * e * 2 * D + max(head, layer)  # + RoPE's cos and sin
-    if args.zero == "0":  # everything on every rank (on CUDA also autocast's bf16 copy of the weights)
-        state, local = (16 + (2 if cuda else 0)) * n_params, n_params
-    else:  # float32 shards of params, grads and AdamW's two moments, and two gathered units (compute dtype)
-        state, local = 16 * n_params / world_size + 2 * unit * e, n_params / world_size
-    peak = state + max(activations, 8 * local)  # AdamW's step makes temporaries the size of the parameters
-    return {"peak": peak, "state": state, "activations": activations, "offloaded": offloaded}
+def predicted(args, world_size, cuda=None, **changed):
+    """gpt.predict_memory for a run with these flags (some of them changed)."""
+    args = argparse.Namespace(**{**vars(args), **changed})
+    tokens = args.batch_size * math.ceil(args.seq_len / args.sp)  # this rank's, per micro-step
+    return predict_memory(model_config(args), tokens, args.sp, world_size, args.zero,
+                          args.device == "cuda" if cuda is None else cuda)
 
 
-def plan_world_size(args):
-    try:
-        ranks, gib = args.plan.lower().split("x")
-        args.plan_memory = float(gib) * 2**30
-        return int(ranks)
-    except ValueError:
-        fail(f"--plan {args.plan}: write it as GPUSxGIB, e.g. 8x80 for 8 GPUs of 80 GiB")
-
-
-def print_plan(args, world_size):
-    """--plan: the predicted memory of this run on the GPUs named, and the longest sequence that would fit."""
-    predict = lambda seq_len: predict_memory(argparse.Namespace(**{**vars(args), "seq_len": seq_len}), world_size,
-                                             cuda=True)
-    m, gib = predict(args.seq_len), lambda b: f"{b / 2**30:,.1f} GiB"
-    longest = args.sp  # doubled while it fits, then halved steps: to within 1/64 of the limit
-    while predict(2 * longest)["peak"] <= args.plan_memory:
+def memory_verdict(args, world_size, memory, cuda):
+    """(fits, one line): this run's predicted peak per rank against `memory` bytes, the longest sequence that
+    would fit, and what --recompute, --tiles 16 or the largest sp would make of it."""
+    peak = lambda **changed: predicted(args, world_size, cuda, **changed)["peak"]
+    longest = args.sp  # doubled while it fits, then grown by halving steps, to within 1/64
+    while peak(seq_len=2 * longest) <= memory:
         longest *= 2
     for step in (longest // 2**k for k in range(1, 7)):
-        longest += step if predict(longest + step)["peak"] <= args.plan_memory else 0
-    print(f"plan: {world_size} GPUs of {gib(args.plan_memory)}, sp {args.sp}, seq {args.seq_len:,} "
-          f"({math.ceil(args.seq_len / args.sp):,} tokens a rank): peak {gib(m['peak'])} per GPU = model state "
-          f"{gib(m['state'])} + activations {gib(m['activations'])} ({gib(m['offloaded'])} more in CPU memory); "
-          f"{'fits' if m['peak'] <= args.plan_memory else 'does NOT fit'}; the longest that fits: about "
-          f"{longest:,} tokens")
-    return m
-
-
-def available_memory(args):
-    """Bytes this rank may use: free GPU memory, or its share of the machine's available RAM."""
-    if args.device == "cuda":
-        return torch.cuda.mem_get_info(int(os.environ.get("LOCAL_RANK", 0)))[0]
-    with open("/proc/meminfo") as f:
-        free = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable"))
-    return free // int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+        longest += step if peak(seq_len=longest + step) <= memory else 0
+    sp = max(p for p in range(1, min(world_size, args.n_head) + 1) if world_size % p == 0)
+    options = {"--recompute": {"recompute": True}, "--tiles 16": {"tiles": max(16, args.tiles)},
+               f"--sp {sp}": {"sp": sp}}
+    others = [f"{flags}: {peak(**change) / 2**30:,.1f} GiB" for flags, change in options.items()
+              if any(getattr(args, k) != v for k, v in change.items())]  # those that change something
+    m, gib = predicted(args, world_size, cuda), lambda b: f"{b / 2**30:,.1f} GiB"
+    return m["peak"] <= memory, (
+        f"{gib(m['peak'])} per rank for {math.ceil(args.seq_len / args.sp):,} tokens a rank (model state "
+        f"{gib(m['state'])} + activations {gib(m['activations'])}; {gib(m['offloaded'])} more in CPU memory), against "
+        f"{gib(memory)}; about {longest:,} tokens would fit; {'; '.join(others) or 'nothing else to try'}")
 
 
 def check_memory(args, world_size):
-    """Refuse a run whose predicted peak exceeds this rank's memory, naming what would make it fit."""
-    need, have = predict_memory(args, world_size)["peak"], available_memory(args)
-    if need <= have:
+    """Refuse a run whose predicted peak exceeds the free GPU memory, or this rank's share of the machine's
+    available RAM, before anything is allocated."""
+    if args.device == "cuda":
+        have = torch.cuda.mem_get_info(int(os.environ.get("LOCAL_RANK", 0)))[0]
+    elif os.path.exists("/proc/meminfo"):
+        with open("/proc/meminfo") as f:
+            have = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable"))
+        have //= int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    else:
         return
-    options = [("--recompute", {"recompute": True}), ("--tiles 16", {"tiles": max(16, args.tiles)}),
-               ("--recompute --tiles 16", {"recompute": True, "tiles": max(16, args.tiles)}),
-               (f"--sp {world_size}", {"sp": world_size})]
-    better = []
-    for flags, change in options:
-        if any(getattr(args, k) != v for k, v in change.items()):
-            peak = predict_memory(argparse.Namespace(**{**vars(args), **change}), world_size)["peak"]
-            better.append(f"{flags}: {peak / 2**30:,.2f} GiB{' (fits)' if peak <= have else ''}")
-    fail(f"this run needs about {need / 2**30:,.2f} GiB per rank ({math.ceil(args.seq_len / args.sp):,} tokens a "
-         f"rank) and {have / 2**30:,.2f} GiB is available; {'; '.join(better) or 'nothing else helps'}; or use more "
-         f"ranks, or a shorter --seq-len")
+    fits, verdict = memory_verdict(args, world_size, have, args.device == "cuda")
+    if not fits:
+        fail(f"this run would need {verdict}")
 
 
-def all_to_all_bytes_formula(args, element_bytes, rank=0):
-    """Bytes `rank` sends per optimizer step. Per layer and micro-step, what goes to the heads of the other ranks
-    (softmax attention: q, k, v; Gated DeltaNet: q, k, v and its two per-head gate inputs) and the output that
-    comes back, each counted by ulysses.all_to_all_bytes; backward sends the reverse, and with --recompute the
-    forward runs twice (once more inside backward)."""
-    query_heads, kv_heads = ulysses.head_layout(args.n_head, args.n_kv_head, args.sp)
-    tokens = args.batch_size * math.ceil(args.seq_len / args.sp)  # local tokens per micro-step
-    D, e = args.n_embd // args.n_head, element_bytes
-    (q_there, q_back), (kv_there, kv_back) = (ulysses.all_to_all_bytes(heads, rank, tokens * D * e)
-                                              for heads in (query_heads, kv_heads))
-    in_there, in_back = ulysses.all_to_all_bytes(query_heads, rank, tokens * (3 * D + 2) * e)  # DeltaNet's inputs
-    per_kind = {"a": (q_there + 2 * kv_there + q_back, q_there + q_back + 2 * kv_back),  # (forward, backward)
-                "d": (in_there + q_back, q_there + in_back)}
-    kinds = [args.layer_pattern[i % len(args.layer_pattern)] for i in range(args.n_layer)]
-    return args.grad_accum * sum((2 if args.recompute else 1) * per_kind[k][0] + per_kind[k][1] for k in kinds)
+def plan(args):
+    """--plan NxGIB: the predicted memory of this run on N GPUs of GIB GiB, without running it."""
+    try:
+        gpus, gib = args.plan.lower().split("x")
+        world_size, memory = int(gpus), float(gib) * 2**30
+    except ValueError:
+        fail(f"--plan {args.plan}: write it as GPUSxGIB, e.g. 8x80 for 8 GPUs of 80 GiB")
+    check_args(args, world_size)
+    fits, verdict = memory_verdict(args, world_size, memory, cuda=True)
+    print(f"plan: {world_size} GPUs, sp {args.sp}, seq {args.seq_len:,}: {'fits' if fits else 'does NOT fit'}: "
+          f"{verdict}")
+    return fits
 
 
 def model_state_bytes(optimizer):
@@ -651,29 +578,35 @@ def memory_tracker(model, optimizer, zero):
     return tracker
 
 
-def summarize(args, history, total_seconds, state_bytes, n_params, world_size, device, rank):
-    peaks = torch.tensor([float(history[-1]["peak_bytes"]), *map(float, state_bytes.values())], device=device)
+def summarize(args, history, total_seconds, model, optimizer, n_params, world_size, device, rank):
+    state = model_state_bytes(optimizer)
+    peaks = torch.tensor([float(history[-1]["peak_bytes"]), *map(float, state.values())], device=device)
     dist.all_reduce(peaks, op=dist.ReduceOp.MAX)  # (peak, params, grads, optimizer)
     if rank != 0:
         return
-    sent = ulysses.all_to_all_stats
-    measured = (sent["forward"]["bytes"] + sent["backward"]["bytes"]) / len(history)
-    formula = all_to_all_bytes_formula(args, element_bytes=2 if device.type == "cuda" else 4)
-    micro_layers = len(history) * args.grad_accum * args.n_layer
-    mib = lambda b: f"{b / 2**20:,.2f} MiB"
+    peak, params, grads, optim = peaks.tolist()
+    sent, mib = ulysses.all_to_all_stats, lambda b: f"{b / 2**20:,.2f} MiB"
+    tokens = args.batch_size * math.ceil(args.seq_len / args.sp)  # this rank's, per micro-step
+    per_layer = [block.attn.all_to_all_bytes(tokens, 2 if device.type == "cuda" else 4) for block in model.blocks]
+    formula = args.grad_accum * sum((2 if args.recompute else 1) * there + back for there, back in per_layer)
     print(f"final: loss {history[-1]['loss']:.4f} | accuracy {history[-1]['accuracy']:.4f}")
     print(f"throughput: {sum(r['tokens'] for r in history) / total_seconds:,.0f} tokens/s "
           f"({world_size} ranks, {total_seconds:.1f} s)")
-    params, grads, optim = peaks[1:].tolist()
+    whole = 16 * n_params
     print(f"model state per rank (max over ranks): params {mib(params)} + grads {mib(grads)} + optimizer "
-          f"{mib(optim)} = {mib(params + grads + optim)}; unsharded fp32 {mib(16 * n_params)}, "
-          f"/ {world_size} ranks = {mib(16 * n_params / world_size)}")
+          f"{mib(optim)} = {mib(params + grads + optim)}; unsharded fp32 {mib(whole)}, / {world_size} ranks = "
+          f"{mib(whole / world_size)}")
     how = "torch.cuda.max_memory_allocated" if device.type == "cuda" else "MemTracker, last step"
-    print(f"peak tensor memory per rank (max over ranks, {how}): {mib(peaks[0].item())} (predicted "
-          f"{mib(predict_memory(args, world_size)['peak'])})")
+    print(f"peak tensor memory per rank (max over ranks, {how}): {mib(peak)} (predicted "
+          f"{mib(predicted(args, world_size)['peak'])})")
+    calls = lambda direction: sent[direction]["calls"] / (len(history) * args.grad_accum * args.n_layer)
+    measured = (sent["forward"]["bytes"] + sent["backward"]["bytes"]) / len(history)
     print(f"all-to-all of rank 0 per step: {measured:,.0f} bytes sent (formula {formula:,} bytes); calls per layer "
-          f"per micro-step: {sent['forward']['calls'] / micro_layers:g} forward, "
-          f"{sent['backward']['calls'] / micro_layers:g} backward")
+          f"per micro-step: {calls('forward'):g} forward, {calls('backward'):g} backward")
+    heads = [len(r) for r in ulysses.head_layout(args.n_head, args.n_kv_head, args.sp)[0]]
+    if len(set(heads)) > 1:  # uneven: the rank with the most heads does the most attention work
+        print(f"query heads per SP rank {heads}: the busiest rank does {max(heads) * len(heads) / sum(heads):.2f}x "
+              f"the mean attention work")
 
 
 if __name__ == "__main__":

@@ -38,6 +38,9 @@ from collections import namedtuple
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                     get_optimizer_state_dict, set_model_state_dict,
+                                                     set_optimizer_state_dict)
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -270,3 +273,23 @@ def fsdp2_shard(model, units, group, compute_dtype=None):
         module.set_gradient_divide_factor(1.0)  # sum, do not average over ranks
         module.set_force_sum_reduction_for_comms(True)  # as a plain SUM collective: gloo has no PREMUL_SUM
     return model
+
+
+def whole_state(model, optimizer, zero=None):
+    """The model's and the optimizer's state, whole and by parameter name on CPU, however the model is sharded
+    (zero: a ZeRO3; FSDP2 and unsharded models need none). Collectives: call on every rank. The optimizer's is
+    torch.distributed.checkpoint's full optimizer state dict, which ZeRO3.optimizer_state_dict writes too."""
+    if zero:
+        return zero.state_dict(), zero.optimizer_state_dict(optimizer)
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return get_model_state_dict(model, options=options), get_optimizer_state_dict(model, optimizer, options=options)
+
+
+def load_whole_state(model, optimizer, model_state, optimizer_state, zero=None):
+    """The inverse of whole_state, on any number of ranks: each keeps its own shards of the whole tensors."""
+    if zero:
+        zero.load_state_dict(model_state)
+        return zero.load_optimizer_state_dict(optimizer, optimizer_state)
+    options = StateDictOptions(full_state_dict=True)
+    set_model_state_dict(model, model_state, options=options)
+    set_optimizer_state_dict(model, optimizer, optimizer_state, options=options)
