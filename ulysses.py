@@ -133,7 +133,7 @@ def head_layout(n_head, n_kv_head, P):
 # sequence; h0, h1: the heads ranks 0 and 1 hold):
 #
 #     send buffer      [ q[t0,h1] | k[t0,h1] | v[t0,h1] ]      one copy in, already in send order
-#     receive buffer   [ q[t1,h0] | k[t1,h0] | v[t1,h0] ]      (freed: the send buffer)
+#     receive buffer   [ q[t1,h0] | k[t1,h0] | v[t1,h0] ]      the send buffer is freed once it has gone
 #     q [B, S, h0, D] = [ q[t0,h0] ; q[t1,h0] ]                one copy out, contiguous as kernels read it
 #
 # What stays on this rank, q[t0,h0] and the like, never enters the buffers: it goes straight from the input
@@ -285,7 +285,7 @@ def ulysses_attention(q, k, v, group=None, attn_fn=None, **attn_kwargs):
     hq, hkv = len(query_heads[rank]), len(kv_heads[rank])
     uses = [h // (n_head // n_kv_head) - kv_heads[rank].start for h in query_heads[rank]]
     if hq % hkv or uses != [i // (hq // hkv) for i in range(hq)]:
-        k, v = (t.transpose(1, 2)[:, uses].transpose(1, 2) for t in (k, v))  # (B, S, hkv, D) -> (B, S, hq, D)
+        k, v = (t[:, :, uses] for t in (k, v))  # (B, S, hkv, D) -> (B, S, hq, D)
     return heads_to_seq(attn_fn(q, k, v, **attn_kwargs), group, query_heads)  # (B, S/P, Hq, D)
 
 
