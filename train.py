@@ -511,10 +511,10 @@ def memory_verdict(args, world_size, memory, cuda):
     """(fits, one line): this run's predicted peak per rank against `memory` bytes, the longest sequence that
     would fit, and what --recompute, --tiles 16 or the largest sp would make of it."""
     peak = lambda **changed: predicted(args, world_size, cuda, **changed)["peak"]
-    longest = args.sp  # doubled while it fits, then grown by halving steps, to within 1/64
-    while peak(seq_len=2 * longest) <= memory:
+    longest = args.sp if peak(seq_len=args.sp) <= memory else 0  # doubled while it fits, then grown by halves
+    while longest and peak(seq_len=2 * longest) <= memory:
         longest *= 2
-    for step in (longest // 2**k for k in range(1, 7)):
+    for step in (longest // 2**k for k in range(1, 7)):  # to within 1/64
         longest += step if peak(seq_len=longest + step) <= memory else 0
     sp = max(p for p in range(1, min(world_size, args.n_head) + 1) if world_size % p == 0)
     options = {"--recompute": {"recompute": True}, "--tiles 16": {"tiles": max(16, args.tiles)},
@@ -525,7 +525,8 @@ def memory_verdict(args, world_size, memory, cuda):
     return m["peak"] <= memory, (
         f"{gib(m['peak'])} per rank for {math.ceil(args.seq_len / args.sp):,} tokens a rank (model state "
         f"{gib(m['state'])} + activations {gib(m['activations'])}; {gib(m['offloaded'])} more in CPU memory), against "
-        f"{gib(memory)}; about {longest:,} tokens would fit; {'; '.join(others) or 'nothing else to try'}")
+        f"{gib(memory)}; {f'about {longest:,} tokens would fit' if longest else 'no sequence fits'}; "
+        f"{'; '.join(others) or 'nothing else to try'}")
 
 
 def check_memory(args, world_size):
@@ -553,8 +554,8 @@ def plan(args):
         fail(f"--plan {args.plan}: write it as GPUSxGIB, e.g. 8x80 for 8 GPUs of 80 GiB")
     check_args(args, world_size)
     fits, verdict = memory_verdict(args, world_size, memory, cuda=True)
-    print(f"plan: {world_size} GPUs, sp {args.sp}, seq {args.seq_len:,}: {'fits' if fits else 'does NOT fit'}: "
-          f"{verdict}")
+    print(f"plan: {world_size} GPU{'s' * (world_size > 1)}, sp {args.sp}, seq {args.seq_len:,}: "
+          f"{'fits' if fits else 'does NOT fit'}: {verdict}")
     return fits
 
 

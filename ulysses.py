@@ -499,20 +499,35 @@ def _benchmark(args):
             return 4 * B * S * Hkv * D * (P - 1) // P * e
         return 0 if name.startswith("(a)") else 2 * (2 * H + 2 * kv_on_wire) * B * S * D * (P - 1) // P**2 * e
 
+    timed = {(P, S): (times, sent) for _, P, S, times, sent in (m for m in measured if m[0] == "time")}
+    median = lambda t: statistics.median(t[1:])  # the first repetition is a warm-up
     print(f"one attention layer, forward + backward: B={B} H={H} kv heads={Hkv} D={D}, float32, causal SDPA, gloo; "
           f"median of {args.reps}; overhead = time - (a), paired by repetition")
     print(f"{'P':>2} {'S':>6}  {'variant':<22} {'ms':>8} {'overhead ms':>12} {'vs (c)':>7} {'bytes sent/rank':>16} "
           f"{'formula':>13}")
-    for _, P, S, times, sent_bytes in (m for m in measured if m[0] == "time"):
+    for P in args.sp:
+        times, sent = timed[P, args.seq_len]
         overhead = {name: statistics.median(b - a for a, b in zip(times["(a) kernel alone"][1:], t[1:]))
                     for name, t in times.items()}
         for name, t in times.items():
             versus = f"{overhead[name] / overhead['(c) 3 all-to-alls']:.2f}x" if name[1] in "bc" else ""
-            print(f"{P:>2} {S:>6}  {name:<22} {statistics.median(t[1:]) * 1e3:8.1f} {overhead[name] * 1e3:12.1f} "
-                  f"{versus:>7} {sent_bytes[name]:>16,} {formula(name, P, S):>13,}")
+            print(f"{P:>2} {args.seq_len:>6}  {name:<22} {median(t) * 1e3:8.1f} {overhead[name] * 1e3:12.1f} "
+                  f"{versus:>7} {sent[name]:>16,} {formula(name, P, args.seq_len):>13,}")
     for _, P, S, name, peak, q_bytes in (m for m in measured if m[0] == "memory"):
         print(f"peak memory of the layer, P={P} S={S}, rank 0 (MemTracker): {name} {peak / 2**20:.1f} MiB "
               f"(q on this rank: {q_bytes / 2**20:.1f} MiB)")
+    print(f"weak scaling, S = {args.weak_seq_len} x P: bytes each rank sends (formula) and time")
+    print(f"{'P':>2} {'S':>6}  {'(b) bytes (formula)':>24} {'(d) bytes (formula)':>24} {'(a) ms':>8} {'(b) ms':>8} "
+          f"{'(d) ms':>8}")
+    for P in (1, 2, 4):
+        S = args.weak_seq_len * P
+        times, sent = timed[P, S]
+        b, d = (name if name in times else "(a) kernel alone" for name in ("(b) ulysses_attention",
+                                                                          "(d) all-gather k, v"))
+        bytes_and_formula = lambda name: f"{sent[name]:,} ({formula(name, P, S):,})"
+        ms = lambda name: f"{median(times[name]) * 1e3:8.1f}"
+        print(f"{P:>2} {S:>6}  {bytes_and_formula(b):>24} {bytes_and_formula(d):>24} {ms('(a) kernel alone')} "
+              f"{ms(b)} {ms(d)}")
 
 
 if __name__ == "__main__":
