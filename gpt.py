@@ -222,8 +222,9 @@ class GatedDeltaNet(nn.Module):
         H, D = self.n_head, self.head_dim
         q, k, v, z, b, a = self.in_proj(x).split([H * D] * 4 + [H] * 2, dim=-1)
         q, k, v, z = (t.view(B, S_local, H, D) for t in (q, k, v, z))  # (B, S_local, H, D)
-        heads = head_layout(H, H, size_and_rank(self.sp_group)[0])[0]
-        mine = heads[size_and_rank(self.sp_group)[1]]
+        P, rank = size_and_rank(self.sp_group)
+        heads = head_layout(H, H, P)[0]
+        mine = heads[rank]
         q, k, v, b, a = seq_to_heads((q, k, v, b[..., None], a[..., None]), self.sp_group, (heads,) * 5)  # (B, S, h, *)
         o = attend(q, k, v, b, a, self.conv[:, mine.start:mine.stop].flatten(0, 2),  # (3*h*D, W): my channels
                    self.A_log[mine.start:mine.stop], self.dt_bias[mine.start:mine.stop])  # (B, S, h, D)

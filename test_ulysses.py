@@ -108,7 +108,7 @@ def _shard_and_all_to_all_rank(rank, world_size):
     valid = ulysses.global_valid_tokens([shard[1], shard[1][:1]], group)  # two micro-batches
     full = torch.randn(2, 12, 4 * world_size, 3, generator=g)  # (B, S, H, D)
     local = _sp_slice(full, rank, world_size).clone().requires_grad_()  # (B, S/P, H, D): my tokens
-    heads = ulysses.seq_to_heads(local, group)  # (B, S, H/P, D): all tokens, my heads
+    heads = ulysses.seq_to_heads(local, group).mul_(1.0)  # (B, S, H/P, D): all tokens, my heads; in place is fine
     back = ulysses.heads_to_seq(heads, group)
     grad_heads = torch.randn(heads.shape, generator=torch.Generator().manual_seed(1 + rank))
     heads.backward(grad_heads)

@@ -113,7 +113,9 @@ def head_layout(n_head, n_kv_head, P):
     rank gets one kv head (replication); and in every case the all-to-all sends exactly these heads.
     """
     if n_head % n_kv_head:
-        raise ValueError(f"n_head={n_head} is not a multiple of n_kv_head={n_kv_head}")
+        divisors = ", ".join(str(d) for d in range(1, n_head + 1) if n_head % d == 0)
+        raise ValueError(f"n_head={n_head} is not a multiple of n_kv_head={n_kv_head}; choose n_kv_head in "
+                         f"{{{divisors}}}")
     if P > n_head:
         valid = ", ".join(map(str, range(1, n_head + 1))) if n_head <= 8 else f"1, 2, ..., {n_head}"
         raise ValueError(f"sp={P} is larger than n_head={n_head}: a rank would hold no head; choose sp in {{{valid}}}")
@@ -139,8 +141,8 @@ def head_layout(n_head, n_kv_head, P):
 # What stays on this rank, q[t0,h0] and the like, never enters the buffers: it goes straight from the input
 # into the output. heads_to_seq and both backwards do the same with the roles of tokens and heads swapped.
 # A tensor of all tokens (q, k, v here, the output's gradient in backward) is stored head-major, [B, h0, S, D],
-# and handed on as its [B, S, h0, D] view: SDPA reads that memory as it is (on CPU its kernel took about 10%
-# longer on token-major memory in `python ulysses.py`).
+# and handed on with [B, S, h0, D] shape: SDPA reads that memory as it is (on CPU, S 4096, its kernel took
+# about 10% longer, forward and backward, on token-major memory).
 
 # what this process has sent to other ranks: {"forward"|"backward": {"calls": int, "bytes": int}}
 all_to_all_stats = {"forward": {"calls": 0, "bytes": 0}, "backward": {"calls": 0, "bytes": 0}}
@@ -188,12 +190,13 @@ def _all_to_all(tensors, group, send, receive, split_dim, join_dim, direction):
                            [sum(piece.numel() for piece in pieces) for pieces in outgoing], group=group)
     all_to_all_stats[direction]["calls"] += 1
     all_to_all_stats[direction]["bytes"] += send_buffer.numel() * send_buffer.element_size()
-    # freed before the outputs exist, so the peak stays near that of one tensor at a time (resized, not just
-    # dropped: the backend's worker thread may hold a reference a moment longer)
+    # The collective has finished with the send buffer (the call is synchronous), so its memory goes now, before
+    # the outputs exist: the two never coexist. Resized rather than just dropped, because the backend's worker
+    # thread may hold a reference to it a moment longer.
     send_buffer.untyped_storage().resize_(0)
     # 3. one copy out of the receive buffer (and out of my own tensors) into the joined tensors
-    outputs = [t.new_empty(shape) if join_dim != 1 else  # all tokens: [B, h, S, ...] memory, [B, S, h, ...] view
-               t.new_empty([shape[0], shape[2], shape[1], *shape[3:]]).transpose(1, 2)
+    memory_order = lambda n: [0, 2, 1, *range(3, n)] if join_dim == 1 else list(range(n))  # all tokens: head-major
+    outputs = [torch.empty_permuted(shape, memory_order(len(shape)), dtype=t.dtype, device=t.device)
                for t, shape in zip(tensors, joined_shapes)]
     received = iter(receive_buffer.split([torch.Size(shape).numel() for i in others for shape in piece_shapes[i]]))
     incoming = [[next(received).view(shape) for shape in piece_shapes[i]] if i != me else
@@ -230,6 +233,9 @@ def _exchange(x, group, heads, to_heads):
         return x
     single = torch.is_tensor(x)
     tensors = (x,) if single else tuple(x)
+    if len({(t.dtype, t.device) for t in tensors}) > 1:  # they share one buffer
+        raise ValueError(f"tensors that travel in one all-to-all must share dtype and device; got "
+                         f"{[(t.dtype, str(t.device)) for t in tensors]}")
     if heads is None:  # one tensor, H/P heads a rank
         H = tensors[0].shape[2] * (1 if to_heads else P)
         if H % P:
@@ -424,7 +430,7 @@ def _benchmark_rank(rank, P, port, args, results):
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // P))
     dist.init_process_group("gloo", rank=rank, world_size=P)
     group, B, H, D = dist.group.WORLD, args.batch_size, args.heads, args.head_dim
-    Hkv = args.kv_heads or H
+    Hkv = args.kv_heads
     sent = [0]  # bytes this rank sent with (c) or (d); (b) counts its own in all_to_all_stats
 
     def separate(q, k, v):  # (c)
@@ -446,7 +452,7 @@ def _benchmark_rank(rank, P, port, args, results):
         g = torch.Generator().manual_seed(rank)
         q = torch.randn(B, S // P, H, D, generator=g)  # this rank's tokens
         k, v = (torch.randn(B, S // P, Hkv, D, generator=g) for _ in range(2))
-        heads = torch.randn(3, B, H // P, S, D, generator=g)  # (a)'s q, k, v
+        heads = [torch.randn(B, n // P, S, D, generator=g) for n in (H, Hkv, Hkv)]  # (a)'s q, k, v, head-major
         names = list(variants) if P > 1 else ["(a) kernel alone"]
         times, sent_bytes = {name: [] for name in names}, {}
         for repetition in range(args.reps + 1):  # the first is a warm-up
@@ -498,13 +504,12 @@ def _benchmark(args):
         mp.start_processes(_benchmark_rank, args=(P, port, args, results), nprocs=P, start_method="spawn")
         while not results.empty():
             measured.append(results.get())
-    B, H, D, Hkv, e = args.batch_size, args.heads, args.head_dim, args.kv_heads or args.heads, 4
+    B, H, D, Hkv, e = args.batch_size, args.heads, args.head_dim, args.kv_heads, 4
 
-    def formula(name, P, S):  # bytes a rank sends, forward + backward
-        kv_on_wire = sum(map(len, head_layout(H, Hkv, P)[1]))  # kv heads after any replication, over all ranks
+    def formula(name, P, S):  # bytes a rank sends, forward + backward, in closed form (P divides the heads)
         if name.startswith("(d)"):  # k and v gathered forward, their gradients reduce-scattered backward
             return 4 * B * S * Hkv * D * (P - 1) // P * e
-        return 0 if name.startswith("(a)") else 2 * (2 * H + 2 * kv_on_wire) * B * S * D * (P - 1) // P**2 * e
+        return 0 if name.startswith("(a)") else 2 * (2 * H + 2 * Hkv) * B * S * D * (P - 1) // P**2 * e
 
     timed = {(P, S): (times, sent) for _, P, S, times, sent in (m for m in measured if m[0] == "time")}
     median = lambda t: statistics.median(t[1:])  # the first repetition is a warm-up
@@ -552,6 +557,11 @@ if __name__ == "__main__":
     p.add_argument("--reps", type=int, default=9, help="timed repetitions (after one warm-up)")
     p.add_argument("--memory", action=argparse.BooleanOptionalAction, default=True, help="measure peak memory")
     args = p.parse_args()
+    args.kv_heads = args.kv_heads or args.heads
+    for P in sorted(set(args.sp) | {2, 4}):  # (c) splits evenly; the weak-scaling rows run on 2 and 4 ranks
+        if P < 2 or args.heads % P or args.kv_heads % P:
+            p.error(f"--sp {P}: each SP size must be at least 2 and divide --heads {args.heads} and --kv-heads "
+                    f"{args.kv_heads} (the weak-scaling rows use 2 and 4 as well)")
     args.sequences = {P: [args.seq_len] for P in args.sp}  # P -> the sequence lengths to time on P ranks
     for P in (1, 2, 4):
         args.sequences.setdefault(P, [])
