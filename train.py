@@ -56,7 +56,7 @@ def parse_args(argv=None):
     p.add_argument("--batch-size", type=int, default=8, help="sequences per DP rank per micro-step")
     p.add_argument("--grad-accum", type=int, default=1, help="micro-steps per optimizer step")
     p.add_argument("--steps", type=int, default=600, help="optimizer steps")
-    p.add_argument("--lr", type=float, help="peak learning rate (default 3e-3; 5e-4 with Gated DeltaNet layers, "
+    p.add_argument("--lr", type=float, help="peak learning rate (default 1e-3; 5e-4 with Gated DeltaNet layers, "
                    "which do not learn the copy task at 1e-3 and above)")
     p.add_argument("--warmup", type=int, help="warmup steps (default: steps/10)")
     p.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay, on every parameter")
@@ -437,7 +437,7 @@ def check_args(args, world_size):
     args.n_kv_head = args.n_head if args.n_kv_head is None else args.n_kv_head
     args.zero = ("3" if world_size > 1 else "0") if args.zero is None else args.zero
     args.n_layer = max(2, len(args.layer_pattern)) if args.n_layer is None else args.n_layer
-    args.lr = (5e-4 if "d" in args.layer_pattern else 3e-3) if args.lr is None else args.lr
+    args.lr = (5e-4 if "d" in args.layer_pattern else 1e-3) if args.lr is None else args.lr
     for name in ("seq_len", "batch_size", "grad_accum", "steps", "n_layer", "n_head", "n_kv_head", "n_embd", "tiles"):
         if getattr(args, name) < 1:
             fail(f"--{name.replace('_', '-')} {getattr(args, name)} must be at least 1")
