@@ -347,17 +347,19 @@ def document_attention(q, k, v, position_ids, window=None):
     so memory grows with the longest document, never as S^2."""
     B, S, Hq, D = q.shape
     cu_seqlens = document_bounds(position_ids == 0)  # (documents + 1,)
-    q, k, v = (t.flatten(0, 1) for t in (q, k, v))  # (B*S, heads, D): the batch as one long token stream
     if flash_attn_varlen_func is not None and _use_flash(q):
+        q, k, v = (t.flatten(0, 1) for t in (q, k, v))  # (B*S, heads, D): the batch as one long token stream
         cu_seqlens = cu_seqlens.to(torch.int32)
         longest = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
         out = flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, longest, longest, causal=True,
                                      window_size=(window - 1, 0) if window else (-1, -1))
-    else:
-        bounds = cu_seqlens.tolist()
-        documents = [(q[None, s:e], k[None, s:e], v[None, s:e]) for s, e in zip(bounds[:-1], bounds[1:])]
-        out = torch.cat([(local_attention(*d, window) if window else causal_attention(*d))[0] for d in documents])
-    return out.view(B, S, Hq, D)
+        return out.view(B, S, Hq, D)
+    # every row starts a document, so none crosses rows: each is attended where it lies, as a view
+    bounds = cu_seqlens.tolist()
+    documents = [(s // S, s % S, e - s) for s, e in zip(bounds[:-1], bounds[1:])]  # (row, first token, length)
+    attend = lambda *qkv: local_attention(*qkv, window) if window else causal_attention(*qkv)
+    out = [attend(*(t[b:b + 1, i:i + n] for t in (q, k, v))) for b, i, n in documents]  # (1, n, Hq, D) each
+    return torch.cat(out, dim=1).view(B, S, Hq, D)  # (1, B*S, Hq, D) -> (B, S, Hq, D)
 
 
 def gather_sequence(x, group):
