@@ -180,14 +180,15 @@ def _all_to_all(tensors, group, send, receive, split_dim, join_dim, direction):
                      zip(joined_shapes, receive)] for i in range(P)]
     numel = lambda shapes: sum(torch.Size(shape).numel() for shape in shapes)
 
+    pieces = [[cut(t, ranges, j, split_dim) for t, ranges in zip(tensors, send)] for j in range(P)]  # for rank j
+
     # 1. one copy into the send buffer, destination by destination; my own pieces stay where they are
-    outgoing = [[cut(t, ranges, j, split_dim) for t, ranges in zip(tensors, send)] if j != me else [] for j in range(P)]
-    send_buffer = _pack([piece for pieces in outgoing for piece in pieces])
+    send_buffer = _pack([piece for j in others for piece in pieces[j]])
     # 2. one collective
+    send_sizes = [sum(piece.numel() for piece in pieces[j]) if j != me else 0 for j in range(P)]
     receive_sizes = [numel(piece_shapes[i]) if i != me else 0 for i in range(P)]
     receive_buffer = tensors[0].new_empty(sum(receive_sizes))
-    dist.all_to_all_single(receive_buffer, send_buffer, receive_sizes,
-                           [sum(piece.numel() for piece in pieces) for pieces in outgoing], group=group)
+    dist.all_to_all_single(receive_buffer, send_buffer, receive_sizes, send_sizes, group=group)
     all_to_all_stats[direction]["calls"] += 1
     all_to_all_stats[direction]["bytes"] += send_buffer.numel() * send_buffer.element_size()
     # The collective has finished with the send buffer (the call is synchronous), so its memory goes now, before
@@ -199,8 +200,7 @@ def _all_to_all(tensors, group, send, receive, split_dim, join_dim, direction):
     outputs = [torch.empty_permuted(shape, memory_order(len(shape)), dtype=t.dtype, device=t.device)
                for t, shape in zip(tensors, joined_shapes)]
     received = iter(receive_buffer.split([torch.Size(shape).numel() for i in others for shape in piece_shapes[i]]))
-    incoming = [[next(received).view(shape) for shape in piece_shapes[i]] if i != me else
-                [cut(t, ranges, me, split_dim) for t, ranges in zip(tensors, send)] for i in range(P)]
+    incoming = [[next(received).view(shape) for shape in piece_shapes[i]] if i != me else pieces[me] for i in range(P)]
     for k, (out, ranges) in enumerate(zip(outputs, receive)):
         shared = any(a.stop > b.start for a, b in zip(ranges, ranges[1:]))  # kv heads that went to several ranks
         if shared:
