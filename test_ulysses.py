@@ -25,6 +25,7 @@ import torch.nn.functional as F
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+import data
 import gpt
 import tiled
 import train
@@ -368,8 +369,8 @@ def _gpt_loss_and_grads(cases, group):
     for seq_len, n_head, n_kv_head in cases:
         torch.manual_seed(0)
         model = GPT(GPTConfig(n_layer=2, n_head=n_head, n_kv_head=n_kv_head, n_embd=32), sp_group=group)
-        args = train.parse_args(["--seed", "3", "--seq-len", str(seq_len)])
-        full = [torch.stack(column) for column in zip(*(train.make_sample(args, None, i) for i in range(2)))]
+        samples = (data.make_sample(i, seq_len, seed=3) for i in range(2))
+        full = [torch.stack(column) for column in zip(*samples)]
         inputs, labels, position_ids = ulysses.shard_for_sp(*full, group)  # (B, S_pad/sp) each
         valid = ulysses.global_valid_tokens(labels, group)
         loss_sum, _ = model(inputs, position_ids, labels)
@@ -703,10 +704,9 @@ def test_text_data_plain_and_packed(tmp_path):
     """--data: a window of the bytes, or (--pack) whole paragraphs with positions restarting at each."""
     text = tmp_path / "text.txt"
     text.write_text("\n\n".join(f"paragraph {i}: " + "ab " * (i % 7) for i in range(40)))  # 13 to 33 bytes
-    args = train.parse_args(["--data", str(text), "--seq-len", "64", "--pack"])
-    documents = train.text_documents(args)
+    documents = data.read_documents(text, pack=True, seq_len=64)
     assert len(documents) == 40 and bytes(documents[0].tolist()).startswith(b"paragraph 0: ")
-    tokens, labels, position_ids = train.make_sample(args, documents, index=0)
+    tokens, labels, position_ids = data.make_sample(0, 64, documents, pack=True)
     starts = (position_ids == 0).nonzero().flatten().tolist()
     assert starts[0] == 0 and len(starts) > 1
     for start in starts[1:]:  # a document's last token predicts nothing; the next starts at position 0
@@ -820,8 +820,8 @@ def test_resume_on_any_layout(tmp_path, capsys):
     (1, ["--data", "/no/such/file.txt"], r"--data /no/such/file.txt: no such file"),
     (1, ["--batch-size", "0"], r"--batch-size 0 must be at least 1"),
     (1, ["--tiles", "0"], r"--tiles 0 must be at least 1"),
-    (1, ["--data", "{empty}"], r"--data .*empty.txt holds no text"),
-    (1, ["--data", "{empty}", "--pack"], r"--data .*empty.txt holds no text"),
+    (1, ["--data", "{empty}"], r"--data .*empty.txt: holds no text"),
+    (1, ["--data", "{empty}", "--pack"], r"--data .*empty.txt: holds no text"),
     (1, ["--save-every", "5"], r"--resume and --save-every need --out-dir"),
     (1, ["--offload"], r"--offload keeps the block inputs that --recompute saves in CPU memory; add --recompute"),
     (1, ["--layer-pattern", "adx"], r"layer_pattern='adx': use the letters a \(softmax attention\) and d"),
@@ -830,7 +830,7 @@ def test_resume_on_any_layout(tmp_path, capsys):
     (1, ["--weight-decay", "inf"], r"--weight-decay inf must be a finite number of 0 or more"),
     (1, ["--grad-clip", "-1"], r"--grad-clip -1 must be a finite number of 0 or more"),
     (1, ["--timeout", "0"], r"--timeout 0 must be a finite number above 0"),
-    (1, ["--warmup", "-2"], r"--warmup -2 must be 0 or more steps"),
+    (1, ["--warmup", "-2"], r"--warmup -2 must be at least 0"),
 ])
 def test_bad_input_is_refused(monkeypatch, tmp_path, world_size, argv, message):
     (tmp_path / "empty.txt").write_text("")

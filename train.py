@@ -9,9 +9,9 @@ Train a small GPT with Ulysses sequence parallelism (SP), data parallelism (DP) 
     python train.py --data input.txt                            # any text file, as bytes (vocab 256)
     torchrun --standalone --nproc_per_node=4 --max-restarts=1 train.py --out-dir ckpt --save-every 50
 
-The default data is a copy task: every sample is random tokens followed by the same tokens again, and only the
-copy is scored. Under SP the copy lives on other ranks than the original, so the task cannot be learned unless
-attention really crosses the sequence shards.
+The default data (data.py) is a copy task: random tokens followed by the same tokens again, and only the copy is
+scored. Under SP the copy lives on other ranks than the original, so the task cannot be learned unless attention
+really crosses the sequence shards.
 
 One optimizer step, on every rank of the dp x sp mesh (the code cites these numbers):
   1. each DP rank draws its own micro-batches of full sequences; the sp ranks of an SP group draw the same ones;
@@ -39,9 +39,11 @@ from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
+from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed.device_mesh import init_device_mesh
 from tqdm import tqdm
 
+import data
 import ulysses
 from gpt import GPT, GPTConfig, predict_memory
 from zero3 import ZeRO3, fsdp2_shard, load_whole_state, whole_state
@@ -56,8 +58,7 @@ def parse_args(argv=None):
     p.add_argument("--batch-size", type=int, default=8, help="sequences per DP rank per micro-step")
     p.add_argument("--grad-accum", type=int, default=1, help="micro-steps per optimizer step")
     p.add_argument("--steps", type=int, default=600, help="optimizer steps")
-    p.add_argument("--lr", type=float, help="peak learning rate (default 1e-3; 5e-4 with Gated DeltaNet layers, "
-                   "which do not learn the copy task at 1e-3 and above)")
+    p.add_argument("--lr", type=float, help="peak learning rate (default 1e-3; 5e-4 with Gated DeltaNet layers)")
     p.add_argument("--warmup", type=int, help="warmup steps (default: steps/10)")
     p.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay, on every parameter")
     p.add_argument("--grad-clip", type=float, default=1.0, help="max global gradient norm (0: off)")
@@ -83,8 +84,7 @@ def parse_args(argv=None):
     p.add_argument("--timeout", type=float, default=300, help="seconds a collective may wait for a peer")
     p.add_argument("--metrics", help="write one JSON line per optimizer step to this file")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--plan", metavar="NxG", help="print the predicted memory per rank on N GPUs of G GiB each "
-                   "(e.g. 8x80), and exit")
+    p.add_argument("--plan", metavar="NxG", help="print the predicted memory per rank on N GPUs of G GiB, and exit")
     return p.parse_args(argv)
 
 
@@ -95,7 +95,10 @@ def main(argv=None):
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     check_args(args, world_size)  # every mistake is found before any process waits on another
     check_memory(args, world_size)  # and a run that cannot fit is refused before it allocates anything
-    documents = text_documents(args)
+    try:
+        documents = data.read_documents(args.data, args.pack, args.seq_len) if args.data else None
+    except ValueError as e:
+        fail(f"--data {args.data}: {e}")
     checkpoint = find_checkpoint(args, world_size)
     owns_process_group = not dist.is_initialized()
     device, mesh = setup(args, world_size)
@@ -148,14 +151,14 @@ def train(args, world_size, mesh, device, documents, checkpoint):
         fsdp2_shard(model, model.units(), dist.group.WORLD, compute_dtype=compute_dtype)
     optimizer = torch.optim.AdamW(zero.parameters() if zero else model.parameters(), lr=args.lr, betas=(0.9, 0.95),
                                   weight_decay=args.weight_decay)
-    start_step = restore(checkpoint, model, zero, optimizer, args, rank) if checkpoint else 0
+    start_step = restore(checkpoint, model, zero, optimizer, rank) if checkpoint else 0
     if rank == 0:
         print(f"world {world_size} = dp {dp} x sp {args.sp} | zero {args.zero} | {n_params / 1e6:.2f}M parameters | "
               f"seq {args.seq_len} | global batch {dp * args.batch_size * args.grad_accum} sequences | {device} | "
               f"predicted peak {predicted(args, world_size)['peak'] / 2**20:,.2f} MiB per rank")
 
     metrics = open_metrics(args, start_step) if rank == 0 else None
-    history, total_seconds = [], 0.0
+    history = []
     ulysses.reset_all_to_all_stats()
     bar = tqdm(range(start_step, args.steps), disable=rank != 0, dynamic_ncols=True, initial=start_step,
                total=args.steps)
@@ -169,7 +172,6 @@ def train(args, world_size, mesh, device, documents, checkpoint):
             with memory_tracker(model, optimizer, zero) if last and device.type == "cpu" else nullcontext() as tracker:
                 loss, accuracy, grad_norm, lr = train_step(step, micro_batches, model, zero, optimizer, args, tracker)
             seconds = time.perf_counter() - t0
-            total_seconds += seconds
             tokens = dp * args.grad_accum * args.batch_size * args.seq_len
             history.append({"step": step + 1, "loss": loss, "grad_norm": grad_norm, "lr": lr, "tokens": tokens,
                             "seconds": seconds, "accuracy": accuracy})
@@ -178,8 +180,7 @@ def train(args, world_size, mesh, device, documents, checkpoint):
                                              tracker.get_tracker_snapshot("peak")[device]["Total"])
             bar.set_postfix(loss=f"{loss:.4f}", acc=f"{accuracy:.3f}", tok_s=f"{tokens / seconds:.0f}")
             if metrics:
-                metrics.write(json.dumps(history[-1]) + "\n")
-                metrics.flush()
+                print(json.dumps(history[-1]), file=metrics, flush=True)
             if args.out_dir and (step + 1 == args.steps or args.save_every and (step + 1) % args.save_every == 0):
                 save_checkpoint(args, step + 1, model, zero, optimizer, world_size, rank)
     except RuntimeError as e:
@@ -189,7 +190,7 @@ def train(args, world_size, mesh, device, documents, checkpoint):
         if metrics:
             metrics.close()
     if history:  # the last step's gradients are still there to be counted
-        summarize(args, history, total_seconds, model, optimizer, n_params, world_size, device, rank)
+        summarize(args, history, model, optimizer, n_params, world_size, device, rank)
     return history
 
 
@@ -235,17 +236,17 @@ def train_step(step, micro_batches, model, zero, optimizer, args, tracker=None):
 
 def lr_at(step, args):
     """Linear warmup, then cosine decay to 10% of the peak. A function of the step: resuming needs no state."""
-    warmup = max(1, args.steps // 10) if args.warmup is None else args.warmup
-    if step < warmup:
-        return args.lr * (step + 1) / warmup
-    progress = (step - warmup) / max(1, args.steps - warmup)
+    if step < args.warmup:
+        return args.lr * (step + 1) / args.warmup
+    progress = (step - args.warmup) / max(1, args.steps - args.warmup)
     return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
 def load_micro_batch(args, documents, step, micro, dp, dp_rank, sp_group, device):
-    """Steps 1-3: this DP rank's full sequences of one micro-step (labels shifted by make_sample), then this SP
-    rank's shard of them: input ids, labels and global position ids, [batch_size, S_pad/sp] each."""
-    samples = [make_sample(args, documents, i) for i in global_batch_indices(step, micro, dp_rank, args, dp)]
+    """Steps 1-3: this DP rank's full sequences of one micro-step (labels shifted by data.make_sample), then this
+    SP rank's shard of them: input ids, labels and global position ids, [batch_size, S_pad/sp] each."""
+    indices = data.micro_batch_indices(step, micro, args.grad_accum, dp_rank, dp, args.batch_size)
+    samples = [data.make_sample(i, args.seq_len, documents, args.pack, args.seed) for i in indices]
     full = [torch.stack(column) for column in zip(*samples)]  # inputs, labels, position_ids: (B, S) each
     return [t.to(device) for t in ulysses.shard_for_sp(*full, sp_group)]  # (B, S_pad/sp) each
 
@@ -259,82 +260,16 @@ def model_flags(args):
 
 
 # ================================================================================================================
-# Below this line: what a reader may skip. Data generation, checkpoint files, failure handling and reporting.
+# Below this line: what a reader may skip. Checkpoint files, failure handling, memory and reporting.
 # ================================================================================================================
 
-# data: sample i depends only on (seed, i); the global batch of step t is samples [t*G, (t+1)*G) for every layout
-
-
-def copy_document(n, length, g):
-    """`length` tokens: n random ones, repeated. Labels are the next token inside the document (shifted here,
-    before any sharding), -100 where it cannot be known: in the random first n, and at the last token, whose
-    next token would belong to another document."""
-    block = torch.randint(0, 256, (n,), generator=g)
-    tokens = block.repeat(-(-length // n))[:length]
-    labels = torch.cat([tokens[1:], torch.tensor([-100])])
-    labels[: n - 1] = -100
-    return tokens, labels
-
-
-def text_documents(args):
-    """--data as bytes (vocab 256): one document, or with --pack one per blank-line-separated paragraph. None for
-    the copy task. Checked before any process waits on another."""
-    if args.data is None:
-        return None
-    if not os.path.isfile(args.data):
-        fail(f"--data {args.data}: no such file")
-    with open(args.data, "rb") as f:
-        raw = f.read()
-    parts = [d for d in raw.split(b"\n\n") if d.strip()] if args.pack else [raw] if raw else []
-    if not parts:
-        fail(f"--data {args.data} holds no text")
-    if not args.pack and len(raw) < args.seq_len + 1:
-        fail(f"--data {args.data} has {len(raw)} bytes; --seq-len {args.seq_len} needs {args.seq_len + 1} (or --pack)")
-    return [torch.frombuffer(bytearray(d), dtype=torch.uint8).long() for d in parts]
-
-
-def make_sample(args, documents, index):
-    """Sample `index` of the dataset, a function of (seed, index) alone: (inputs, labels, position_ids), each [S].
-    Unpacked: one document (a copy task whose copy starts near the middle, or a window of the text).
-    Packed: whole documents back to back, cut at seq_len; position ids restart at 0 at each document start."""
-    g = torch.Generator().manual_seed(args.seed * 1_000_003 + index)
-    S = args.seq_len
-    if not args.pack:
-        if documents is None:
-            tokens, labels = copy_document((S + 2) // 2, S + 1, g)  # the copy starts near the middle
-        else:
-            text = documents[0]
-            start = torch.randint(0, len(text) - S, (1,), generator=g).item()
-            tokens, labels = text[start: start + S], text[start + 1: start + S + 1]
-        return tokens[:S], labels[:S], torch.arange(S)
-    pieces = []
-    while sum(len(t) for t, _ in pieces) < S:
-        if documents is None:
-            n = max(1, S // 8)  # documents of random length, each repeating its own first n tokens
-            pieces.append(copy_document(n, torch.randint(n + 1, 4 * n + 1, (1,), generator=g).item(), g))
-        else:
-            doc = documents[torch.randint(0, len(documents), (1,), generator=g).item()]
-            pieces.append((doc, torch.cat([doc[1:], torch.tensor([-100])])))
-    tokens, labels = (torch.cat(column) for column in zip(*pieces))
-    position_ids = torch.cat([torch.arange(len(t)) for t, _ in pieces])  # 0 at each document start, only there
-    return tokens[:S], labels[:S], position_ids[:S]
-
-
-def global_batch_indices(step, micro, dp_rank, args, dp):
-    """The sample indices of one micro-batch. Over all (micro, dp_rank) they cover step*G .. (step+1)*G - 1."""
-    start = (step * args.grad_accum + micro) * dp * args.batch_size + dp_rank * args.batch_size
-    return range(start, start + args.batch_size)
-
-
-# ----------------------------------------------------------------------------------------------------------------
 # checkpoints: DIR/step_000020/{trainer.pt, model.pt, optimizer.pt}, each whole (not sharded), keyed by parameter
 # name, so any layout can resume any checkpoint. Rank 0 writes step_000020.tmp and renames it when complete, so a
 # directory without .tmp is always whole.
 
 
 def newest_checkpoint(out_dir):
-    names = os.listdir(out_dir) if os.path.isdir(out_dir) else []
-    steps = [int(name[5:]) for name in names if name.startswith("step_") and name[5:].isdigit()]
+    steps = [int(name[5:]) for name in os.listdir(out_dir) if name.startswith("step_") and name[5:].isdigit()]
     return os.path.join(out_dir, f"step_{max(steps):06d}") if steps else None
 
 
@@ -346,22 +281,18 @@ def data_flags(args, world_size):
 
 
 def find_checkpoint(args, world_size):
-    """The checkpoint this run continues from, read and checked whole (None: start afresh). --resume asks for one;
-    a group that torchrun restarted (--max-restarts) takes the newest one by itself."""
-    if args.out_dir is None:
-        return None
-    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0
-    newest = newest_checkpoint(args.out_dir)
-    if args.resume and newest is None:
+    """The checkpoint this run continues from, read and checked whole: (trainer state, model state, optimizer
+    state), or None to start afresh. --resume asks for one; a group that torchrun restarted (--max-restarts)
+    takes the newest one by itself."""
+    path = newest_checkpoint(args.out_dir) if args.out_dir else None
+    if args.resume and path is None:
         fail(f"--resume: no complete checkpoint in --out-dir {args.out_dir}")
-    if newest is not None and not (args.resume or restarted):
+    if path is None:
+        return None
+    if not (args.resume or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0):
         fail(f"--out-dir {args.out_dir} already holds checkpoints; add --resume to continue from "
-             f"{os.path.basename(newest)}, or choose another directory")
-    return read_checkpoint(newest, args, world_size) if newest is not None else None
+             f"{os.path.basename(path)}, or choose another directory")
 
-
-def read_checkpoint(path, args, world_size):
-    """(trainer state, model state, optimizer state), each file loaded and checked."""
     def load(name):
         try:
             return torch.load(os.path.join(path, name), weights_only=True)
@@ -396,7 +327,7 @@ def save_checkpoint(args, step, model, zero, optimizer, world_size, rank):
     dist.barrier()
 
 
-def restore(checkpoint, model, zero, optimizer, args, rank):
+def restore(checkpoint, model, zero, optimizer, rank):
     """Load a checkpoint written on any layout into this run. Returns the number of steps already done."""
     trainer, model_state, optimizer_state = checkpoint
     load_whole_state(model, optimizer, model_state, optimizer_state, zero)  # cut for this run's ranks
@@ -438,9 +369,17 @@ def check_args(args, world_size):
     args.zero = ("3" if world_size > 1 else "0") if args.zero is None else args.zero
     args.n_layer = max(2, len(args.layer_pattern)) if args.n_layer is None else args.n_layer
     args.lr = (5e-4 if "d" in args.layer_pattern else 1e-3) if args.lr is None else args.lr
-    for name in ("seq_len", "batch_size", "grad_accum", "steps", "n_layer", "n_head", "n_kv_head", "n_embd", "tiles"):
-        if getattr(args, name) < 1:
-            fail(f"--{name.replace('_', '-')} {getattr(args, name)} must be at least 1")
+    args.warmup = max(1, args.steps // 10) if args.warmup is None else args.warmup
+    for name in ("seq_len", "batch_size", "grad_accum", "steps", "n_layer", "n_head", "n_kv_head", "n_embd", "tiles",
+                 "window", "warmup", "save_every"):
+        least = 0 if name in ("window", "warmup", "save_every") else 1  # window 0: full; save_every 0: at the end
+        if getattr(args, name) < least:
+            fail(f"--{name.replace('_', '-')} {getattr(args, name)} must be at least {least}")
+    for name, zero_allowed in (("lr", False), ("weight_decay", True), ("grad_clip", True), ("timeout", False)):
+        value = getattr(args, name)
+        if not (math.isfinite(value) and (value >= 0 if zero_allowed else value > 0)):
+            fail(f"--{name.replace('_', '-')} {value:g} must be a finite number "
+                 f"{'of 0 or more' if zero_allowed else 'above 0'}")
     if args.sp < 1 or world_size % args.sp:
         choices = ", ".join(str(p) for p in range(1, world_size + 1) if world_size % p == 0)
         fail(f"--sp {args.sp} does not divide the world size {world_size}; choose --sp in {{{choices}}}")
@@ -451,29 +390,18 @@ def check_args(args, world_size):
         ulysses.head_layout(args.n_head, args.n_kv_head, args.sp)
     except ValueError as e:
         fail(e)
-    if args.window < 0:
-        fail(f"--window {args.window} must be 0 (full attention) or a number of tokens")
-    for name, zero_allowed in (("lr", False), ("weight_decay", True), ("grad_clip", True), ("timeout", False)):
-        value = getattr(args, name)
-        if not (math.isfinite(value) and (value >= 0 if zero_allowed else value > 0)):
-            fail(f"--{name.replace('_', '-')} {value:g} must be a finite number "
-                 f"{'of 0 or more' if zero_allowed else 'above 0'}")
-    if args.warmup is not None and args.warmup < 0:
-        fail(f"--warmup {args.warmup} must be 0 or more steps")
     if args.offload and not args.recompute:
         fail("--offload keeps the block inputs that --recompute saves in CPU memory; add --recompute")
     if args.device == "cuda" and not torch.cuda.is_available() and args.plan is None:
         fail("--device cuda, but torch sees no CUDA device; choose --device cpu")
     if (args.resume or args.save_every) and args.out_dir is None:
         fail("--resume and --save-every need --out-dir")
-    if args.save_every < 0:
-        fail(f"--save-every {args.save_every} must be 0 (only at the end) or a number of steps")
     if args.out_dir is not None:
         try:
             os.makedirs(args.out_dir, exist_ok=True)
         except OSError as e:
             fail(f"--out-dir {args.out_dir}: {e.strerror}")
-    metrics_dir = os.path.dirname(os.path.abspath(args.metrics)) if args.metrics else None
+    metrics_dir = args.metrics and os.path.dirname(os.path.abspath(args.metrics))
     for flag, directory in (("--out-dir", args.out_dir), ("--metrics", metrics_dir)):
         if directory is not None and not os.access(directory, os.W_OK):
             fail(f"{flag}: cannot write into {directory}")
@@ -496,7 +424,7 @@ def collective_failure(error, rank, step, args):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# reporting
+# memory: predicted before the run (and refused if it cannot fit), measured during its last step
 
 
 def predicted(args, world_size, cuda=None, **changed):
@@ -559,44 +487,37 @@ def plan(args):
     return fits
 
 
-def model_state_bytes(optimizer):
-    """Bytes of parameters, gradients and optimizer state this rank holds (under ZeRO: its shards)."""
-    def local(t):
-        t = t.to_local() if hasattr(t, "to_local") else t  # FSDP2 keeps DTensors; count this rank's piece
-        return t.numel() * t.element_size()
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    return {"params": sum(local(p) for p in params),
-            "grads": sum(local(p.grad) for p in params if p.grad is not None),
-            "optimizer": sum(local(t) for p in params for t in optimizer.state[p].values() if torch.is_tensor(t))}
-
-
 def memory_tracker(model, optimizer, zero):
     """Peak tensor memory of one step on CPU, where there is no torch.cuda.max_memory_allocated: MemTracker
     follows every tensor made while it is entered; what exists before must be named to it."""
-    from torch.distributed._tools.mem_tracker import MemTracker
     tracker = MemTracker()
     tracker.track_external(model, optimizer, *([u.full for u in zero.units] if zero else []))
     return tracker
 
 
-def summarize(args, history, total_seconds, model, optimizer, n_params, world_size, device, rank):
-    state = model_state_bytes(optimizer)
-    peaks = torch.tensor([float(history[-1]["peak_bytes"]), *map(float, state.values())], device=device)
-    dist.all_reduce(peaks, op=dist.ReduceOp.MAX)  # (peak, params, grads, optimizer)
+# ----------------------------------------------------------------------------------------------------------------
+# reporting
+
+
+def summarize(args, history, model, optimizer, n_params, world_size, device, rank):
+    local = lambda t: (t.to_local() if hasattr(t, "to_local") else t).nbytes  # FSDP2: DTensors, count this rank's
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    state = [sum(local(p) for p in params), sum(local(p.grad) for p in params if p.grad is not None),
+             sum(local(t) for p in params for t in optimizer.state[p].values() if torch.is_tensor(t))]
+    peaks = torch.tensor([float(history[-1]["peak_bytes"]), *map(float, state)], device=device)
+    dist.all_reduce(peaks, op=dist.ReduceOp.MAX)  # bytes: peak, params, grads, AdamW state
     if rank != 0:
         return
     peak, params, grads, optim = peaks.tolist()
-    sent, mib = ulysses.all_to_all_stats, lambda b: f"{b / 2**20:,.2f} MiB"
+    sent, mib, seconds = ulysses.all_to_all_stats, lambda b: f"{b / 2**20:,.2f} MiB", sum(r["seconds"] for r in history)
     tokens = args.batch_size * math.ceil(args.seq_len / args.sp)  # this rank's, per micro-step
     per_layer = [block.attn.all_to_all_bytes(tokens, 2 if device.type == "cuda" else 4) for block in model.blocks]
     formula = args.grad_accum * sum((2 if args.recompute else 1) * there + back for there, back in per_layer)
     print(f"final: loss {history[-1]['loss']:.4f} | accuracy {history[-1]['accuracy']:.4f}")
-    print(f"throughput: {sum(r['tokens'] for r in history) / total_seconds:,.0f} tokens/s "
-          f"({world_size} ranks, {total_seconds:.1f} s)")
-    whole = 16 * n_params
+    print(f"throughput: {sum(r['tokens'] for r in history) / seconds:,.0f} tokens/s ({world_size} ranks, {seconds:.1f} s)")
     print(f"model state per rank (max over ranks): params {mib(params)} + grads {mib(grads)} + optimizer "
-          f"{mib(optim)} = {mib(params + grads + optim)}; unsharded fp32 {mib(whole)}, / {world_size} ranks = "
-          f"{mib(whole / world_size)}")
+          f"{mib(optim)} = {mib(params + grads + optim)}; unsharded fp32 {mib(16 * n_params)}, / {world_size} ranks = "
+          f"{mib(16 * n_params / world_size)}")
     how = "torch.cuda.max_memory_allocated" if device.type == "cuda" else "MemTracker, last step"
     print(f"peak tensor memory per rank (max over ranks, {how}): {mib(peak)} (predicted "
           f"{mib(predicted(args, world_size)['peak'])})")
