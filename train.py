@@ -96,7 +96,7 @@ def main(argv=None):
     check_args(args, world_size)  # every mistake is found before any process waits on another
     check_memory(args, world_size)  # and a run that cannot fit is refused before it allocates anything
     try:
-        documents = data.read_documents(args.data, args.pack, args.seq_len) if args.data else None
+        documents = None if args.data is None else data.read_documents(args.data, args.pack, args.seq_len)
     except ValueError as e:
         fail(f"--data {args.data}: {e}")
     checkpoint = find_checkpoint(args, world_size)
