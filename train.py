@@ -501,9 +501,9 @@ def memory_tracker(model, optimizer, zero):
 
 def summarize(args, history, model, optimizer, n_params, world_size, device, rank):
     local = lambda t: (t.to_local() if hasattr(t, "to_local") else t).nbytes  # FSDP2: DTensors, count this rank's
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    state = [sum(local(p) for p in params), sum(local(p.grad) for p in params if p.grad is not None),
-             sum(local(t) for p in params for t in optimizer.state[p].values() if torch.is_tensor(t))]
+    shards = [p for group in optimizer.param_groups for p in group["params"]]  # under ZeRO: this rank's
+    state = [sum(local(p) for p in shards), sum(local(p.grad) for p in shards if p.grad is not None),
+             sum(local(t) for p in shards for t in optimizer.state[p].values() if torch.is_tensor(t))]
     peaks = torch.tensor([float(history[-1]["peak_bytes"]), *map(float, state)], device=device)
     dist.all_reduce(peaks, op=dist.ReduceOp.MAX)  # bytes: peak, params, grads, AdamW state
     if rank != 0:
@@ -514,7 +514,8 @@ def summarize(args, history, model, optimizer, n_params, world_size, device, ran
     per_layer = [block.attn.all_to_all_bytes(tokens, 2 if device.type == "cuda" else 4) for block in model.blocks]
     formula = args.grad_accum * sum((2 if args.recompute else 1) * there + back for there, back in per_layer)
     print(f"final: loss {history[-1]['loss']:.4f} | accuracy {history[-1]['accuracy']:.4f}")
-    print(f"throughput: {sum(r['tokens'] for r in history) / seconds:,.0f} tokens/s ({world_size} ranks, {seconds:.1f} s)")
+    print(f"throughput: {sum(r['tokens'] for r in history) / seconds:,.0f} tokens/s "
+          f"({world_size} ranks, {seconds:.1f} s)")
     print(f"model state per rank (max over ranks): params {mib(params)} + grads {mib(grads)} + optimizer "
           f"{mib(optim)} = {mib(params + grads + optim)}; unsharded fp32 {mib(16 * n_params)}, / {world_size} ranks = "
           f"{mib(16 * n_params / world_size)}")
