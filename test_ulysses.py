@@ -226,6 +226,37 @@ def test_ulysses_attention_matches_one_device(world_size):
                 assert stats["forward"]["bytes"] == unit * (2 * Hq + 2 * kv_sent) * (P - 1) // P
 
 
+def _baselines_rank(rank, world_size):
+    results = []
+    for baseline in (ulysses._three_all_to_alls, ulysses._gathered_kv):
+        q, k, v, grad_out = (_sp_slice(t, rank, world_size) for t in _qkv(1, 24, 8, 4, 8))
+        q, k, v = (t.requires_grad_() for t in (q, k, v))
+        sent = [0]
+        out = baseline(q, k, v, dist.group.WORLD, sent)
+        out.backward(grad_out)
+        results.append(((out.detach(), q.grad, k.grad, v.grad), sent[0]))
+    return results
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_benchmark_baselines_match_one_device(world_size):
+    """What python ulysses.py times against ulysses_attention computes the same attention: (c) q, k and v in
+    three all-to-alls and (d) all-gathered k and v, output and dq, dk, dv against one device (B = 1, as timed),
+    each sending the bytes of its formula."""
+    per_rank = run_ranks(world_size, _baselines_rank)
+    q, k, v, grad_out = _qkv(1, 24, 8, 4, 8)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    out = ulysses.causal_attention(q, k, v)
+    out.backward(grad_out)
+    P, local = world_size, 24 // world_size * 8 * 4  # bytes of one head of a rank's tokens: S/P * D float32
+    formulas = (2 * (8 + 4 + 4 + 8) * local * (P - 1) // P,  # (c): (P-1)/P of q, k, v and out, both ways
+                4 * 4 * local * (P - 1))  # (d): k and v to every other rank, their gradients back
+    for i, (name, formula) in enumerate(zip(("(c)", "(d)"), formulas)):
+        got = [torch.cat(pieces, dim=1) for pieces in zip(*(r[i][0] for r in per_rank))]
+        assert_all_close(got, [out, q.grad, k.grad, v.grad], where=name)
+        assert [r[i][1] for r in per_rank] == [formula] * P, name
+
+
 def _dense_attention(q, k, v, allowed):
     """The textbook formula with an explicit [S, S] (or [B, S, S]) mask of allowed query-key pairs."""
     k, v = (t.repeat_interleave(q.shape[2] // k.shape[2], dim=2) for t in (k, v))

@@ -141,8 +141,8 @@ def head_layout(n_head, n_kv_head, P):
 # What stays on this rank, q[t0,h0] and the like, never enters the buffers: it goes straight from the input
 # into the output. heads_to_seq and both backwards do the same with the roles of tokens and heads swapped.
 # A tensor of all tokens (q, k, v here, the output's gradient in backward) is stored head-major, [B, h0, S, D],
-# and handed on with [B, S, h0, D] shape: SDPA reads that memory as it is (on CPU, S 4096, its kernel took
-# about 10% longer, forward and backward, on token-major memory).
+# and handed on with [B, S, h0, D] shape: SDPA reads that memory as it is (on CPU, S 4096, its kernel ran about
+# 1% faster on it, forward and backward, than on token-major memory).
 
 # what this process has sent to other ranks: {"forward"|"backward": {"calls": int, "bytes": int}}
 all_to_all_stats = {"forward": {"calls": 0, "bytes": 0}, "backward": {"calls": 0, "bytes": 0}}
@@ -378,8 +378,10 @@ def gather_sequence(x, group):
 
 
 class _OneTensorAllToAll(torch.autograd.Function):
-    """(c): the all-to-all one tensor at a time, as DeepSpeed and others do it: the chunks stacked into send
-    order (one copy), one collective, the received chunks concatenated (one copy); backward the same, swapped."""
+    """(c): the all-to-all one tensor at a time, with DeepSpeed's copies: the chunk for each rank moved to the
+    front (one copy), one collective, the received chunks moved into place (one copy). With B = 1 one of the two
+    is free: the chunks of the sequence already lie one after the other, so .contiguous() and .flatten() return
+    what they are given. Backward: the same exchange with the two dimensions swapped."""
 
     @staticmethod
     def forward(ctx, x, group, scatter_dim, gather_dim, sent):
@@ -392,13 +394,15 @@ class _OneTensorAllToAll(torch.autograd.Function):
         return _OneTensorAllToAll.exchange(grad, group, gather_dim, scatter_dim, sent), None, None, None, None
 
     @staticmethod
-    def exchange(x, group, scatter_dim, gather_dim, sent):
+    def exchange(x, group, scatter_dim, gather_dim, sent):  # shapes of seq_to_heads; heads_to_seq is the reverse
         P = dist.get_world_size(group)
-        send = torch.stack(x.chunk(P, dim=scatter_dim))  # (P, ...): row j for rank j
+        send = x.unflatten(scatter_dim, (P, -1)).movedim(scatter_dim, 0)  # (B, S/P, H, D) -> (P, B, S/P, H/P, D)
+        send = send.contiguous()  # row j goes to rank j
         received = torch.empty_like(send)
         dist.all_to_all_single(received, send, group=group)
         sent[0] += send.numel() * send.element_size() * (P - 1) // P  # row `rank` stays here
-        return torch.cat(received.unbind(0), dim=gather_dim)
+        joined = received.movedim(0, gather_dim)  # (P, B, S/P, H/P, D) -> (B, P, S/P, H/P, D): row i from rank i
+        return joined.flatten(gather_dim, gather_dim + 1)  # -> (B, S, H/P, D)
 
 
 class _GatherSequence(torch.autograd.Function):
@@ -424,6 +428,19 @@ class _GatherSequence(torch.autograd.Function):
         return mine, None, None
 
 
+def _three_all_to_alls(q, k, v, group, sent):
+    """(c): ulysses_attention with q, k and v in three all-to-alls; sent[0] counts the bytes sent."""
+    q, k, v = (_OneTensorAllToAll.apply(t, group, 2, 1, sent) for t in (q, k, v))  # (B, S, heads/P, D)
+    return _OneTensorAllToAll.apply(causal_attention(q, k, v), group, 1, 2, sent)  # (B, S/P, H, D)
+
+
+def _gathered_kv(q, k, v, group, sent):
+    """(d): all of k and v, this rank's queries; sent[0] counts the bytes sent."""
+    k, v = (_GatherSequence.apply(t, group, sent) for t in (k, v))  # (B, S, Hkv, D)
+    i = torch.arange(q.shape[1]) + dist.get_rank(group) * q.shape[1]  # global positions of my queries
+    return _sdpa(q, k, v, attn_mask=i[:, None] >= torch.arange(k.shape[1])[None, :])  # (B, S/P, H, D)
+
+
 def _benchmark_rank(rank, P, port, args, results):
     """Time one attention layer, forward + backward, in every variant on this group of P processes."""
     import os
@@ -435,21 +452,19 @@ def _benchmark_rank(rank, P, port, args, results):
     Hkv = args.kv_heads
     sent = [0]  # bytes this rank sent with (c) or (d); (b) counts its own in all_to_all_stats
 
-    def separate(q, k, v):  # (c)
-        q, k, v = (_OneTensorAllToAll.apply(t, group, 2, 1, sent) for t in (q, k, v))  # (B, S, heads/P, D)
-        return _OneTensorAllToAll.apply(causal_attention(q, k, v), group, 1, 2, sent)  # (B, S/P, H, D)
-
-    def gathered(q, k, v):  # (d): all of k and v, this rank's queries
-        k, v = (_GatherSequence.apply(t, group, sent) for t in (k, v))  # (B, S, Hkv, D)
-        i = torch.arange(q.shape[1]) + rank * q.shape[1]  # global positions of my queries
-        return _sdpa(q, k, v, attn_mask=i[:, None] >= torch.arange(k.shape[1])[None, :])  # (B, S/P, H, D)
-
     def kernel_alone(q, k, v, heads):  # (a): the full sequence for H/P heads, laid out as the all-to-all leaves it
         return causal_attention(*(t.transpose(1, 2) for t in heads))
 
     variants = {"(a) kernel alone": kernel_alone, "(b) ulysses_attention": lambda q, k, v, _: ulysses_attention(
-        q, k, v, group), "(c) 3 all-to-alls": lambda q, k, v, _: separate(q, k, v),
-        "(d) all-gather k, v": lambda q, k, v, _: gathered(q, k, v)}
+        q, k, v, group), "(c) 3 all-to-alls": lambda q, k, v, _: _three_all_to_alls(q, k, v, group, sent),
+        "(d) all-gather k, v": lambda q, k, v, _: _gathered_kv(q, k, v, group, sent)}
+
+    def forward_backward(name, inputs):
+        """The input gradients are returned, as a model's projections take them, not accumulated into .grad:
+        that would copy (a)'s into the head-major layout of its inputs, a copy no other variant makes."""
+        out = variants[name](*inputs[:3], inputs[3:])
+        return torch.autograd.grad(out, inputs, torch.ones_like(out), allow_unused=True)
+
     for S in args.sequences[P]:
         g = torch.Generator().manual_seed(rank)
         q = torch.randn(B, S // P, H, D, generator=g)  # this rank's tokens
@@ -464,8 +479,7 @@ def _benchmark_rank(rank, P, port, args, results):
                 sent[0] = 0
                 dist.barrier()
                 start = time.perf_counter()
-                out = variants[name](*inputs[:3], inputs[3:])
-                out.backward(torch.ones_like(out))
+                forward_backward(name, inputs)
                 dist.barrier()
                 times[name].append(time.perf_counter() - start)
                 sent_bytes[name] = sent[0] + sum(c["bytes"] for c in all_to_all_stats.values())
@@ -482,9 +496,7 @@ def _benchmark_rank(rank, P, port, args, results):
             tracker = MemTracker()
             tracker.track_external(*inputs)
             with tracker:
-                out = variants[name](*inputs, None)
-                out.backward(torch.ones_like(out))
-                del out
+                forward_backward(name, inputs)
             peak = sum(device["Total"] for device in tracker.get_tracker_snapshot("peak").values())
             if rank == 0:
                 results.put(("memory", P, S, name, peak, q.numel() * q.element_size()))
@@ -516,17 +528,19 @@ def _benchmark(args):
     timed = {(P, S): (times, sent) for _, P, S, times, sent in (m for m in measured if m[0] == "time")}
     median = lambda t: statistics.median(t[1:])  # the first repetition is a warm-up
     print(f"one attention layer, forward + backward: B={B} H={H} kv heads={Hkv} D={D}, float32, causal SDPA, gloo; "
-          f"median of {args.reps}; overhead = time - (a), paired by repetition")
-    print(f"{'P':>2} {'S':>6}  {'variant':<22} {'ms':>8} {'overhead ms':>12} {'vs (c)':>7} {'bytes sent/rank':>16} "
-          f"{'formula':>13}")
+          f"median of {args.reps}; overhead = time - (a), paired by repetition; middle half: its quartiles")
+    print(f"{'P':>2} {'S':>6}  {'variant':<22} {'ms':>8} {'overhead ms':>12} {'middle half':>12} {'vs (c)':>7} "
+          f"{'bytes sent/rank':>16} {'formula':>13}")
     for P in args.sp:
         times, sent = timed[P, args.seq_len]
-        overhead = {name: statistics.median(b - a for a, b in zip(times["(a) kernel alone"][1:], t[1:]))
-                    for name, t in times.items()}
+        overheads = {name: [b - a for a, b in zip(times["(a) kernel alone"][1:], t[1:])] for name, t in times.items()}
+        overhead = {name: statistics.median(o) for name, o in overheads.items()}
         for name, t in times.items():
             versus = f"{overhead[name] / overhead['(c) 3 all-to-alls']:.2f}x" if name[1] in "bc" else ""
+            low, _, high = statistics.quantiles(overheads[name], n=4)
             print(f"{P:>2} {args.seq_len:>6}  {name:<22} {median(t) * 1e3:8.1f} {overhead[name] * 1e3:12.1f} "
-                  f"{versus:>7} {sent[name]:>16,} {formula(name, P, args.seq_len):>13,}")
+                  f"{f'{low * 1e3:.0f} to {high * 1e3:.0f}':>12} {versus:>7} {sent[name]:>16,} "
+                  f"{formula(name, P, args.seq_len):>13,}")
     for _, P, S, name, peak, q_bytes in (m for m in measured if m[0] == "memory"):
         print(f"peak memory of the layer, P={P} S={S}, rank 0 (MemTracker): {name} {peak / 2**20:.1f} MiB "
               f"(q on this rank: {q_bytes / 2**20:.1f} MiB)")
@@ -556,10 +570,12 @@ if __name__ == "__main__":
     p.add_argument("--kv-heads", type=int, default=None, help="default: --heads")
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--batch-size", type=int, default=1)
-    p.add_argument("--reps", type=int, default=9, help="timed repetitions (after one warm-up)")
+    p.add_argument("--reps", type=int, default=25, help="timed repetitions (after one warm-up)")
     p.add_argument("--memory", action=argparse.BooleanOptionalAction, default=True, help="measure peak memory")
     args = p.parse_args()
     args.kv_heads = args.kv_heads or args.heads
+    if args.reps < 2:
+        p.error(f"--reps {args.reps}: must be at least 2 (the table gives the quartiles of the overhead)")
     for P in sorted(set(args.sp) | {2, 4}):  # (c) splits evenly; the weak-scaling rows run on 2 and 4 ranks
         if P < 2 or args.heads % P or args.kv_heads % P:
             p.error(f"--sp {P}: each SP size must be at least 2 and divide --heads {args.heads} and --kv-heads "
