@@ -428,6 +428,21 @@ class _GatherSequence(torch.autograd.Function):
         return mine, None, None
 
 
+class _Barrier(torch.autograd.Function):
+    """Identity on tensors that waits for every rank of the group, in forward and again in backward."""
+
+    @staticmethod
+    def forward(ctx, group, *tensors):
+        ctx.group = group
+        dist.barrier(group=group)
+        return tuple(t.view_as(t) for t in tensors)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        dist.barrier(group=ctx.group)
+        return None, *grads
+
+
 def _three_all_to_alls(q, k, v, group, sent):
     """(c): ulysses_attention with q, k and v in three all-to-alls; sent[0] counts the bytes sent."""
     q, k, v = (_OneTensorAllToAll.apply(t, group, 2, 1, sent) for t in (q, k, v))  # (B, S, heads/P, D)
@@ -455,9 +470,14 @@ def _benchmark_rank(rank, P, port, args, results):
     def kernel_alone(q, k, v, heads):  # (a): the full sequence for H/P heads, laid out as the all-to-all leaves it
         return causal_attention(*(t.transpose(1, 2) for t in heads))
 
-    variants = {"(a) kernel alone": kernel_alone, "(b) ulysses_attention": lambda q, k, v, _: ulysses_attention(
-        q, k, v, group), "(c) 3 all-to-alls": lambda q, k, v, _: _three_all_to_alls(q, k, v, group, sent),
-        "(d) all-gather k, v": lambda q, k, v, _: _gathered_kv(q, k, v, group, sent)}
+    def kernel_synchronized(q, k, v, heads):  # (a) with a barrier wherever (b) has an all-to-all: no data moves
+        out = kernel_alone(q, k, v, _Barrier.apply(group, *heads))
+        return _Barrier.apply(group, out)[0]
+
+    variants = {"(a) kernel alone": kernel_alone, "(a) with 4 barriers": kernel_synchronized,
+                "(b) ulysses_attention": lambda q, k, v, _: ulysses_attention(q, k, v, group),
+                "(c) 3 all-to-alls": lambda q, k, v, _: _three_all_to_alls(q, k, v, group, sent),
+                "(d) all-gather k, v": lambda q, k, v, _: _gathered_kv(q, k, v, group, sent)}
 
     def forward_backward(name, inputs):
         """The input gradients are returned, as a model's projections take them, not accumulated into .grad:
