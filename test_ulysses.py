@@ -226,35 +226,40 @@ def test_ulysses_attention_matches_one_device(world_size):
                 assert stats["forward"]["bytes"] == unit * (2 * Hq + 2 * kv_sent) * (P - 1) // P
 
 
+BASELINE = dict(S=24, Hq=8, Hkv=4, D=8)  # the benchmark's (c) needs P to divide both head counts
+
+
 def _baselines_rank(rank, world_size):
     results = []
-    for baseline in (ulysses._three_all_to_alls, ulysses._gathered_kv):
-        q, k, v, grad_out = (_sp_slice(t, rank, world_size) for t in _qkv(1, 24, 8, 4, 8))
-        q, k, v = (t.requires_grad_() for t in (q, k, v))
-        sent = [0]
-        out = baseline(q, k, v, dist.group.WORLD, sent)
-        out.backward(grad_out)
-        results.append(((out.detach(), q.grad, k.grad, v.grad), sent[0]))
+    for B in (1, 2):  # B = 1: (c) copies once per all-to-all; B = 2: twice
+        for baseline in (ulysses._three_all_to_alls, ulysses._gathered_kv):
+            q, k, v, grad_out = (_sp_slice(t, rank, world_size) for t in _qkv(B, *BASELINE.values()))
+            q, k, v = (t.requires_grad_() for t in (q, k, v))
+            sent = [0]
+            out = baseline(q, k, v, dist.group.WORLD, sent)
+            out.backward(grad_out)
+            results.append(((out.detach(), q.grad, k.grad, v.grad), sent[0]))
     return results
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_benchmark_baselines_match_one_device(world_size):
     """What python ulysses.py times against ulysses_attention computes the same attention: (c) q, k and v in
-    three all-to-alls and (d) all-gathered k and v, output and dq, dk, dv against one device (B = 1, as timed),
-    each sending the bytes of its formula."""
+    three all-to-alls and (d) all-gathered k and v, output and dq, dk, dv against one device, B = 1 and 2, each
+    sending the bytes of its formula."""
     per_rank = run_ranks(world_size, _baselines_rank)
-    q, k, v, grad_out = _qkv(1, 24, 8, 4, 8)
-    q, k, v = (t.requires_grad_() for t in (q, k, v))
-    out = ulysses.causal_attention(q, k, v)
-    out.backward(grad_out)
-    P, local = world_size, 24 // world_size * 8 * 4  # bytes of one head of a rank's tokens: S/P * D float32
-    formulas = (2 * (8 + 4 + 4 + 8) * local * (P - 1) // P,  # (c): (P-1)/P of q, k, v and out, both ways
-                4 * 4 * local * (P - 1))  # (d): k and v to every other rank, their gradients back
-    for i, (name, formula) in enumerate(zip(("(c)", "(d)"), formulas)):
+    P, (S, Hq, Hkv, D) = world_size, BASELINE.values()
+    for i, (B, name) in enumerate((B, name) for B in (1, 2) for name in ("(c)", "(d)")):
+        q, k, v, grad_out = _qkv(B, S, Hq, Hkv, D)
+        q, k, v = (t.requires_grad_() for t in (q, k, v))
+        out = ulysses.causal_attention(q, k, v)
+        out.backward(grad_out)
         got = [torch.cat(pieces, dim=1) for pieces in zip(*(r[i][0] for r in per_rank))]
-        assert_all_close(got, [out, q.grad, k.grad, v.grad], where=name)
-        assert [r[i][1] for r in per_rank] == [formula] * P, name
+        assert_all_close(got, [out, q.grad, k.grad, v.grad], where=f"{name} B={B}")
+        head = B * S // P * D * 4  # bytes of one head of a rank's tokens, float32
+        formula = {"(c)": 2 * (Hq + 2 * Hkv + Hq) * head * (P - 1) // P,  # (P-1)/P of q, k, v and out, both ways
+                   "(d)": 4 * Hkv * head * (P - 1)}[name]  # k and v to every other rank, their gradients back
+        assert [r[i][1] for r in per_rank] == [formula] * P, f"{name} B={B}"
 
 
 def _dense_attention(q, k, v, allowed):

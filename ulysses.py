@@ -141,8 +141,7 @@ def head_layout(n_head, n_kv_head, P):
 # What stays on this rank, q[t0,h0] and the like, never enters the buffers: it goes straight from the input
 # into the output. heads_to_seq and both backwards do the same with the roles of tokens and heads swapped.
 # A tensor of all tokens (q, k, v here, the output's gradient in backward) is stored head-major, [B, h0, S, D],
-# and handed on with [B, S, h0, D] shape: SDPA reads that memory as it is (on CPU, S 4096, its kernel ran about
-# 1% faster on it, forward and backward, than on token-major memory).
+# and handed on with [B, S, h0, D] shape: SDPA reads that memory as it is.
 
 # what this process has sent to other ranks: {"forward"|"backward": {"calls": int, "bytes": int}}
 all_to_all_stats = {"forward": {"calls": 0, "bytes": 0}, "backward": {"calls": 0, "bytes": 0}}
@@ -379,9 +378,9 @@ def gather_sequence(x, group):
 
 class _OneTensorAllToAll(torch.autograd.Function):
     """(c): the all-to-all one tensor at a time, with DeepSpeed's copies: the chunk for each rank moved to the
-    front (one copy), one collective, the received chunks moved into place (one copy). With B = 1 one of the two
-    is free: the chunks of the sequence already lie one after the other, so .contiguous() and .flatten() return
-    what they are given. Backward: the same exchange with the two dimensions swapped."""
+    front (one copy), one collective, the received chunks moved into place (one copy). With B = 1 and token-major
+    tensors (as SDPA returns them) one of the two is free: the chunks of the sequence already lie one after the
+    other, so .contiguous() or .flatten() returns what it is given. Backward: the same with the dimensions swapped."""
 
     @staticmethod
     def forward(ctx, x, group, scatter_dim, gather_dim, sent):
@@ -394,7 +393,7 @@ class _OneTensorAllToAll(torch.autograd.Function):
         return _OneTensorAllToAll.exchange(grad, group, gather_dim, scatter_dim, sent), None, None, None, None
 
     @staticmethod
-    def exchange(x, group, scatter_dim, gather_dim, sent):  # shapes of seq_to_heads; heads_to_seq is the reverse
+    def exchange(x, group, scatter_dim, gather_dim, sent):  # shapes for seq_to_heads (scatter heads, gather tokens)
         P = dist.get_world_size(group)
         send = x.unflatten(scatter_dim, (P, -1)).movedim(scatter_dim, 0)  # (B, S/P, H, D) -> (P, B, S/P, H/P, D)
         send = send.contiguous()  # row j goes to rank j
