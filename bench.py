@@ -1,0 +1,405 @@
+"""
+Every measurement of the project, one sub-command per README table. Measuring lives here, never in the files
+that teach a concept, so those read as their lesson.
+
+    python bench.py attention   # one attention layer: ulysses_attention against the kernel alone, three
+                                # all-to-alls (DeepSpeed's DistributedAttention) and all-gathered k, v; weak scaling
+    python bench.py tiled       # what sequence tiling saves in the MLP and the loss (tiled.py)
+    python bench.py deltanet    # the gated delta rule, chunked against the token-by-token recurrence (gpt.py)
+    python bench.py memory      # train.py's predicted peak memory per rank against the measured one
+
+Multi-rank measurements start their own gloo processes on this machine; `python bench.py CMD --help` lists the
+options of each.
+"""
+
+import argparse
+import contextlib
+import io
+import os
+import socket
+import statistics
+import time
+from functools import partial
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch.distributed._tools.mem_tracker import MemTracker
+
+import gpt
+import train
+import ulysses
+from tiled import tiled_lm_loss, tiled_mlp
+from zero3 import all_gather, reduce_scatter
+
+
+def _rank_main(rank, P, port, fn, args, results):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(P),
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(P))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // P))  # the processes share this machine's cores
+    dist.init_process_group("gloo", rank=rank, world_size=P)
+    result = fn(rank, P, *args)
+    if rank == 0:
+        results.put(result)
+    dist.destroy_process_group()
+
+
+def run_ranks(P, fn, *args):
+    """fn(rank, P, *args) on P new gloo processes; returns what rank 0 returned."""
+    context = mp.get_context("spawn")
+    results = context.SimpleQueue()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.start_processes(_rank_main, args=(P, port, fn, args, results), nprocs=P, start_method="spawn")
+    return results.get()
+
+
+def _tracked(tracker, kind):
+    """Bytes of every tensor MemTracker follows, "current" or at their "peak"."""
+    return sum(device["Total"] for device in tracker.get_tracker_snapshot(kind).values())
+
+
+def peak_bytes(run, *existing):
+    """Peak tensor memory (bytes) while run() runs: MemTracker follows every tensor made inside, and `existing`
+    names the tensors and modules made before that count too."""
+    tracker = MemTracker()
+    tracker.track_external(*existing)
+    with tracker:
+        run()
+    return _tracked(tracker, "peak")
+
+
+def median_seconds(run, repetitions):
+    times = []
+    for _ in range(repetitions):
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# python bench.py attention: one attention layer, forward + backward, against what else could carry it
+#
+# (a) the kernel alone on the full sequence for H/P heads, the floor; with 4 barriers: (a) plus a barrier wherever
+#     (b) has an all-to-all, the price of synchronization alone;
+# (b) ulysses_attention: q, k and v in one all-to-all;
+# (c) q, k and v in three all-to-alls, with the copies DeepSpeed's DistributedAttention makes: ulysses.all_to_all;
+# (d) every rank all-gathers k and v and attends with its own queries; backward reduce-scatters dk and dv.
+
+gather_stats = {"bytes": 0}  # what (d) has sent; (b) and (c) count theirs in ulysses.all_to_all_stats
+
+
+def three_all_to_alls(q, k, v, group):
+    """(c): ulysses_attention with q, k and v in three all-to-alls (P must divide both head counts)."""
+    q, k, v = (ulysses.all_to_all(t, group, 2, 1) for t in (q, k, v))  # (B, S, heads/P, D)
+    return ulysses.all_to_all(ulysses.causal_attention(q, k, v), group, 1, 2)  # (B, S/P, H, D)
+
+
+class _GatherSequence(torch.autograd.Function):
+    """All-gather [B, S/P, H, D] along the sequence into [B, S, H, D]; backward reduce-scatters (sums) the full
+    gradient back to each rank's tokens. Every rank sends (P-1)/P of the gathered tensor each way."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        P, (B, S_local, H, D) = dist.get_world_size(group), x.shape
+        full = x.new_empty(P * B, S_local, H, D)  # rank j's tokens in rows j*B .. (j+1)*B - 1
+        all_gather(full, x.contiguous(), group=group)
+        gather_stats["bytes"] += x.nbytes * (P - 1)
+        return full.view(P, B, S_local, H, D).transpose(0, 1).reshape(B, P * S_local, H, D)  # (B, S, H, D)
+
+    @staticmethod
+    def backward(ctx, grad):
+        P, (B, S, H, D) = dist.get_world_size(ctx.group), grad.shape
+        mine = grad.new_empty(B, S // P, H, D)
+        rows = grad.reshape(B, P, S // P, H, D).transpose(0, 1).reshape(P * B, S // P, H, D)  # rank j's: rows j*B..
+        reduce_scatter(mine, rows, group=ctx.group)
+        gather_stats["bytes"] += mine.nbytes * (P - 1)
+        return mine, None
+
+
+def gathered_kv(q, k, v, group):
+    """(d): all of k and v, this rank's queries."""
+    k, v = (_GatherSequence.apply(t, group) for t in (k, v))  # (B, S, Hkv, D)
+    i = torch.arange(q.shape[1]) + dist.get_rank(group) * q.shape[1]  # global positions of my queries
+    allowed = i[:, None] >= torch.arange(k.shape[1])[None, :]  # (S/P, S): causal
+    return F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)), attn_mask=allowed,
+                                          enable_gqa=k.shape[2] != q.shape[2]).transpose(1, 2)  # (B, S/P, H, D)
+
+
+class _Barrier(torch.autograd.Function):
+    """Identity on tensors that waits for every rank of the group, in forward and again in backward."""
+
+    @staticmethod
+    def forward(ctx, group, *tensors):
+        ctx.group = group
+        dist.barrier(group=group)
+        return tuple(t.view_as(t) for t in tensors)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        dist.barrier(group=ctx.group)
+        return None, *grads
+
+
+def _variants(group):
+    """name -> f(q, k, v, heads): each variant's forward. heads are (a)'s q, k, v, laid out as the all-to-all
+    leaves them (head-major, H/P heads)."""
+    def kernel_alone(q, k, v, heads):
+        return ulysses.causal_attention(*(t.transpose(1, 2) for t in heads))
+
+    def kernel_with_barriers(q, k, v, heads):
+        return _Barrier.apply(group, kernel_alone(q, k, v, _Barrier.apply(group, *heads)))[0]
+
+    def fused(q, k, v, heads):
+        return ulysses.ulysses_attention(q, k, v, group)
+
+    def three(q, k, v, heads):
+        return three_all_to_alls(q, k, v, group)
+
+    def gathered(q, k, v, heads):
+        return gathered_kv(q, k, v, group)
+
+    return {"(a) kernel alone": kernel_alone, "(a) with 4 barriers": kernel_with_barriers,
+            "(b) ulysses_attention": fused, "(c) 3 all-to-alls": three, "(d) all-gather k, v": gathered}
+
+
+def _forward_backward(variant, inputs):
+    """The input gradients are returned, as a model's projections take them, not accumulated into .grad: that
+    would copy (a)'s into the head-major layout of its inputs, a copy no other variant makes."""
+    out = variant(*inputs[:3], inputs[3:])
+    return torch.autograd.grad(out, inputs, torch.ones_like(out), allow_unused=True)
+
+
+def _attention_inputs(rank, P, S, args):
+    """This rank's q, k, v [B, S/P, heads, D] and (a)'s head-major q, k, v [B, heads/P, S, D]."""
+    g = torch.Generator().manual_seed(rank)
+    B, H, Hkv, D = args.batch_size, args.heads, args.kv_heads, args.head_dim
+    local = [torch.randn(B, S // P, n, D, generator=g) for n in (H, Hkv, Hkv)]
+    heads = [torch.randn(B, n // P, S, D, generator=g) for n in (H, Hkv, Hkv)]
+    return local + heads
+
+
+def _attention_rank(rank, P, S, args):
+    """({variant: [seconds per repetition]}, {variant: bytes this rank sent}, {variant: peak bytes} or {})."""
+    group = dist.group.WORLD
+    variants = _variants(group)
+    names = list(variants) if P > 1 else ["(a) kernel alone"]
+    tensors = _attention_inputs(rank, P, S, args)
+    times, sent = {name: [] for name in names}, {}
+    for repetition in range(args.reps + 1):  # the first is a warm-up
+        for name in names:  # interleaved, so that a slow moment of the machine hits every variant alike
+            inputs = [t.detach().requires_grad_() for t in tensors]
+            ulysses.reset_all_to_all_stats()
+            gather_stats["bytes"] = 0
+            dist.barrier()
+            start = time.perf_counter()
+            _forward_backward(variants[name], inputs)
+            dist.barrier()
+            times[name].append(time.perf_counter() - start)
+            sent[name] = gather_stats["bytes"] + sum(c["bytes"] for c in ulysses.all_to_all_stats.values())
+    peaks = {}
+    if P > 1 and args.memory and S == args.seq_len:  # the layer's peak on rank 0, forward + backward
+        for name in ("(b) ulysses_attention", "(c) 3 all-to-alls"):
+            inputs = [t.detach().requires_grad_() for t in tensors[:3]]
+            peaks[name] = peak_bytes(partial(_forward_backward, variants[name], inputs), *inputs)
+    return times, sent, peaks
+
+
+def _attention_bytes(name, P, S, args):
+    """What a rank sends, forward + backward, in closed form (P divides the heads), float32."""
+    B, H, Hkv, D, e = args.batch_size, args.heads, args.kv_heads, args.head_dim, 4
+    if name.startswith("(d)"):  # k and v gathered forward, their gradients reduce-scattered backward
+        return 4 * B * S * Hkv * D * (P - 1) // P * e
+    return 0 if name.startswith("(a)") else 2 * (2 * H + 2 * Hkv) * B * S * D * (P - 1) // P**2 * e
+
+
+def attention(args):
+    B, H, D, Hkv = args.batch_size, args.heads, args.head_dim, args.kv_heads
+    print(f"one attention layer, forward + backward: B={B} H={H} kv heads={Hkv} D={D}, float32, causal SDPA, gloo; "
+          f"median of {args.reps}; overhead = time - (a), paired by repetition; middle half: its quartiles")
+    print(f"{'P':>2} {'S':>6}  {'variant':<22} {'ms':>8} {'overhead ms':>12} {'middle half':>12} {'vs (c)':>7} "
+          f"{'bytes sent/rank':>16} {'formula':>13}", flush=True)
+    measured = {}
+    for P in args.sp:
+        times, sent, peaks = measured[P, args.seq_len] = run_ranks(P, _attention_rank, args.seq_len, args)
+        floor = times["(a) kernel alone"][1:]  # the first repetition is a warm-up
+        overheads = {name: [b - a for a, b in zip(floor, t[1:])] for name, t in times.items()}
+        overhead = {name: statistics.median(o) for name, o in overheads.items()}
+        for name, t in times.items():
+            versus = f"{overhead[name] / overhead['(c) 3 all-to-alls']:.2f}x" if name[1] in "bc" else ""
+            low, _, high = statistics.quantiles(overheads[name], n=4)
+            print(f"{P:>2} {args.seq_len:>6}  {name:<22} {statistics.median(t[1:]) * 1e3:8.1f} "
+                  f"{overhead[name] * 1e3:12.1f} {f'{low * 1e3:.0f} to {high * 1e3:.0f}':>12} {versus:>7} "
+                  f"{sent[name]:>16,} {_attention_bytes(name, P, args.seq_len, args):>13,}", flush=True)
+        q_mib = B * args.seq_len // P * H * D * 4 / 2**20
+        for name, peak in peaks.items():
+            print(f"peak memory of the layer, P={P} S={args.seq_len}, rank 0 (MemTracker): {name} "
+                  f"{peak / 2**20:.1f} MiB (q on this rank: {q_mib:.1f} MiB)", flush=True)
+    print(f"weak scaling, S = {args.weak_seq_len} x P: bytes each rank sends (formula) and time")
+    print(f"{'P':>2} {'S':>6}  {'(b) bytes (formula)':>24} {'(d) bytes (formula)':>24} {'(a) ms':>8} {'(b) ms':>8} "
+          f"{'(d) ms':>8}", flush=True)
+    for P in (1, 2, 4):
+        S = args.weak_seq_len * P
+        times, sent, _ = measured.get((P, S)) or run_ranks(P, _attention_rank, S, args)
+        b, d = ("(b) ulysses_attention", "(d) all-gather k, v") if P > 1 else ("(a) kernel alone",) * 2
+        columns = [f"{sent[name]:,} ({_attention_bytes(name, P, S, args):,})" for name in (b, d)]
+        ms = [statistics.median(times[name][1:]) * 1e3 for name in ("(a) kernel alone", b, d)]
+        print(f"{P:>2} {S:>6}  {columns[0]:>24} {columns[1]:>24} {ms[0]:8.1f} {ms[1]:8.1f} {ms[2]:8.1f}", flush=True)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# python bench.py tiled: what tiling saves in one layer (MemTracker follows every tensor)
+
+
+def _kept_and_peak(run, *inputs):
+    """MiB above the inputs: (kept from forward for backward, peak over forward + backward)."""
+    tracker = MemTracker()
+    tracker.track_external(*inputs)
+    with tracker:
+        base = _tracked(tracker, "current")  # the inputs
+        out = run()
+        kept = _tracked(tracker, "current") - base - out.nbytes  # saved for backward
+        out.sum().backward()
+        del out
+    for t in inputs:
+        t.grad = None
+    return kept / 2**20, (_tracked(tracker, "peak") - base) / 2**20
+
+
+def tiled(args):
+    torch.manual_seed(0)
+    B, S, h, vocab = 1, args.seq_len, args.hidden, args.vocab
+    x = torch.randn(B, S, h, requires_grad=True)
+    fc, proj, head = (torch.randn(shape).mul_(0.02).requires_grad_() for shape in ((4 * h, h), (h, 4 * h), (vocab, h)))
+    labels = torch.randint(0, vocab, (B, S))
+
+    def logits(t, head):
+        return F.linear(t, head)
+
+    def mlp(T):
+        return gpt.mlp(x, fc, proj) if T == 1 else tiled_mlp(gpt.mlp, x, (fc, proj), T)
+
+    def loss(T):
+        if T == 1:
+            return F.cross_entropy(logits(x, head).flatten(0, 1), labels.flatten(), reduction="sum")
+        return tiled_lm_loss(logits, x, labels, (head,), T)[0]
+
+    print(f"B={B} S={S} h={h} vocab={vocab}, float32; MiB above the inputs (x is {x.nbytes / 2**20:.0f} MiB)")
+    print(f"{'layer':6} {'tiles':>5} {'kept for backward':>18} {'peak fwd+bwd':>13} {'peak falls':>11}", flush=True)
+    for layer in (mlp, loss):
+        untiled_peak = None
+        for T in (1, 4, 8, 16):
+            kept, peak = _kept_and_peak(partial(layer, T), x, fc, proj, head, labels)
+            untiled_peak = untiled_peak or peak
+            print(f"{layer.__name__:6} {T:5} {kept:18.1f} {peak:13.1f} {untiled_peak / peak:10.1f}x", flush=True)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# python bench.py deltanet: the gated delta rule, chunked against the recurrence
+
+
+def deltanet(args):
+    torch.manual_seed(0)
+    B, S, H, D = 1, args.seq_len, args.heads, args.head_dim
+    q, k = (F.normalize(torch.randn(B, S, H, D), dim=-1) for _ in range(2))
+    v, g, beta = torch.randn(B, S, H, D), -torch.rand(B, S, H) / 4, torch.rand(B, S, H)
+
+    def forward(kernel):
+        with torch.no_grad():
+            kernel(q, k, v, g, beta)
+
+    def forward_backward(kernel):
+        inputs = [t.clone().requires_grad_() for t in (q, k, v, g, beta)]
+        kernel(*inputs).sum().backward()
+
+    print(f"gated delta rule, B={B} S={S} H={H} D={D}, float32, {torch.get_num_threads()} threads; "
+          f"median of {args.reps}", flush=True)
+    for name, run in (("forward", forward), ("forward + backward", forward_backward)):
+        recurrence, chunked = (median_seconds(partial(run, kernel), args.reps)
+                               for kernel in (gpt.gated_delta_rule, gpt.chunk_gated_delta_rule))
+        print(f"{name:18} recurrence {recurrence * 1e3:8.1f} ms   chunked {chunked * 1e3:7.1f} ms   "
+              f"{recurrence / chunked:5.1f}x faster", flush=True)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# python bench.py memory: train.py's prediction against MemTracker's measurement, the busiest rank
+
+
+def _memory_rank(rank, P, argv):
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):  # its own report
+        history = train.main(argv + ["--steps", "2", "--batch-size", "1"])
+    peak = torch.tensor(float(history[-1]["peak_bytes"]))
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    return peak.item()
+
+
+def memory(args):
+    print(f"peak tensor memory per rank, MiB, measured (MemTracker, the last of 2 steps, busiest rank) / predicted; "
+          f"train.py --batch-size 1 --steps 2 {' '.join(args.flags)}")
+    rows = [(S, extra) for S in args.seq_lens for extra in ([], ["--tiles", "4"], ["--recompute"],
+                                                             ["--tiles", "4", "--recompute"])]
+    print(f"{'seq len':>8} {'flags':<24}" + "".join(f"{f'sp {P}':>16}" for P in args.sp), flush=True)
+    for S, extra in rows:
+        cells = []
+        for P in args.sp:
+            argv = ["--seq-len", str(S), *extra, *args.flags]
+            measured = run_ranks(P, _memory_rank, argv)
+            flags = train.parse_args(argv + ["--batch-size", "1"])
+            train.check_args(flags, P)
+            cells.append(f"{measured / 2**20:.1f} / {train.predicted(flags, P)['peak'] / 2**20:.1f}")
+        print(f"{S:>8,} {' '.join(extra):<24}" + "".join(f"{cell:>16}" for cell in cells), flush=True)
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """--help shows every default, and the module docstring as it is written."""
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=_HelpFormatter, allow_abbrev=False)
+    commands = parser.add_subparsers(dest="command", required=True)
+    p = commands.add_parser("attention", help="one Ulysses attention layer against its alternatives",
+                            formatter_class=_HelpFormatter, allow_abbrev=False)
+    p.add_argument("--seq-len", type=int, default=4096, help="tokens per sequence for the main table")
+    p.add_argument("--weak-seq-len", type=int, default=1024, help="tokens per rank in the weak-scaling rows")
+    p.add_argument("--sp", type=int, nargs="+", default=[2, 4], help="SP sizes of the main table")
+    p.add_argument("--heads", type=int, default=8, help="query heads")
+    p.add_argument("--kv-heads", type=int, default=0, help="key/value heads; 0: as many as --heads")
+    p.add_argument("--head-dim", type=int, default=64, help="dimensions per head")
+    p.add_argument("--batch-size", type=int, default=1, help="sequences")
+    p.add_argument("--reps", type=int, default=25, help="timed repetitions (after one warm-up)")
+    p.add_argument("--memory", action=argparse.BooleanOptionalAction, default=True, help="measure peak memory")
+    p = commands.add_parser("tiled", help="memory of the MLP and the loss, tiled and not",
+                            formatter_class=_HelpFormatter, allow_abbrev=False)
+    p.add_argument("--seq-len", type=int, default=16384, help="tokens")
+    p.add_argument("--hidden", type=int, default=128, help="hidden size h (the MLP's is 4h)")
+    p.add_argument("--vocab", type=int, default=2048, help="vocabulary of the loss")
+    p = commands.add_parser("deltanet", help="the gated delta rule, chunked against the recurrence",
+                            formatter_class=_HelpFormatter, allow_abbrev=False)
+    p.add_argument("--seq-len", type=int, default=4096, help="tokens")
+    p.add_argument("--heads", type=int, default=4, help="heads")
+    p.add_argument("--head-dim", type=int, default=64, help="dimensions per head")
+    p.add_argument("--reps", type=int, default=3, help="timed repetitions")
+    p = commands.add_parser("memory", help="train.py's predicted peak memory against the measured one",
+                            formatter_class=_HelpFormatter, allow_abbrev=False)
+    p.add_argument("--seq-lens", type=int, nargs="+", default=[1024, 4096], help="sequence lengths, one row each")
+    p.add_argument("--sp", type=int, nargs="+", default=[1, 2, 4], help="SP sizes, one column each")
+    p.add_argument("--flags", nargs=argparse.REMAINDER, default=[], help="more train.py flags, last on the line, "
+                   "e.g. --flags --layer-pattern ddda")
+    args = parser.parse_args()
+    if args.command == "attention":
+        args.kv_heads = args.kv_heads or args.heads
+        if args.reps < 2:
+            parser.error(f"--reps {args.reps}: must be at least 2 (the table gives the quartiles of the overhead)")
+        for P in sorted(set(args.sp) | {2, 4}):  # (c) splits evenly; the weak-scaling rows run on 2 and 4 ranks
+            if P < 2 or args.heads % P or args.kv_heads % P:
+                parser.error(f"--sp {P}: each SP size must be at least 2 and divide --heads {args.heads} and "
+                             f"--kv-heads {args.kv_heads} (the weak-scaling rows use 2 and 4 as well)")
+    {"attention": attention, "tiled": tiled, "deltanet": deltanet, "memory": memory}[args.command](args)
+
+
+if __name__ == "__main__":
+    main()
