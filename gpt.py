@@ -7,17 +7,9 @@ tokens unchanged; attention goes through ulysses.py, the one place where tokens 
 model knows nothing else about SP: it gets the SP group to pass to the all-to-alls, and the GLOBAL position of
 each token (RoPE must rotate token i by i, not by its index inside the shard).
 
-Hybrid models (Qwen3-Next: three Gated DeltaNet layers to one softmax layer) use both kinds. A Gated DeltaNet
-layer is not softmax attention, and Ulysses carries it all the same: everything that needs the whole sequence
-runs between its two all-to-alls, on this rank's heads, and everything per token stays outside.
-
-    local tokens, all heads          all tokens, my heads                    local tokens, all heads
-    x -> q, k, v, z, b, a  --a2a-->  q, k, v, b, a:                 --a2a--> o -> RMSNorm(o) * silu(z) -> out
-         (z stays here)              conv over the sequence (my heads'
-                                     channels of its weight), silu, L2
-                                     norm of q and k, gates from b and a
-                                     (my heads' A_log and dt_bias), the
-                                     gated delta rule -> o
+A layer is softmax attention or, in hybrid models (Qwen3-Next: three Gated DeltaNet layers to one softmax layer),
+Gated DeltaNet, a linear attention with a recurrent state: the file reads config, RoPE, attention, MLP, block,
+GPT, and then Gated DeltaNet in a section of its own.
 """
 
 import math
@@ -32,7 +24,7 @@ import torch.utils.checkpoint
 
 from tiled import at_least_float32, tiled_lm_loss, tiled_mlp
 from ulysses import (all_to_all_bytes, causal_attention, check_shards, document_attention, document_bounds,
-                     gather_sequence, head_layout, heads_to_seq, local_attention, seq_to_heads, size_and_rank,
+                     gather_sequence, head_layout, heads_to_seq, sliding_window_attention, seq_to_heads, size_and_rank,
                      ulysses_attention)
 
 
@@ -102,146 +94,6 @@ class Attention(nn.Module):
         per_head = tokens * self.head_dim * element_bytes
         (q_there, q_back), (kv_there, kv_back) = (all_to_all_bytes(h, rank, per_head) for h in (query_heads, kv_heads))
         return q_there + 2 * kv_there + q_back, q_there + q_back + 2 * kv_back
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Gated DeltaNet. Per batch row and head, a state M_t [D, D] (M_0 = 0) is decayed and corrected token by token:
-#     M_t = exp(g_t) (I - beta_t k_t k_t^T) M_{t-1} + beta_t k_t v_t^T,      o_t = M_t^T q_t / sqrt(D)
-# g_t <= 0 (the log of the decay) and beta_t in (0, 1) are per token and head; q and k are L2-normalised. A
-# document start resets the state: exp(g_t) = 0 there. All kernels take the softmax kernels' layout,
-# [B, S, heads, D], and `starts`, a bool [B, S] marking where documents start (None: one document per row).
-
-
-def gated_delta_rule(q, k, v, g, beta, starts=None):
-    """The recurrence, one token at a time: the obvious reference the chunked form must equal."""
-    decay = g.exp() if starts is None else g.exp().masked_fill(starts[:, :, None], 0.0)  # (B, S, H)
-    M = q.new_zeros(q.shape[0], q.shape[2], q.shape[3], v.shape[3])  # (B, H, D, D)
-    outputs = []
-    for t in range(q.shape[1]):
-        M = decay[:, t, :, None, None] * M
-        error = v[:, t] - torch.einsum("bhkv,bhk->bhv", M, k[:, t])  # (B, H, D): what M predicts for k, wrongly
-        M = M + beta[:, t, :, None, None] * k[:, t, :, :, None] * error[:, :, None, :]
-        outputs.append(torch.einsum("bhkv,bhk->bhv", M, q[:, t]) * q.shape[-1] ** -0.5)
-    return torch.stack(outputs, dim=1)  # (B, S, H, D)
-
-
-def _masked_exp(log_decay, keep):
-    """exp(log_decay) where keep, else 0, masked before exp so that nothing overflows."""
-    return torch.where(keep, log_decay, 0.0).exp() * keep
-
-
-def chunk_gated_delta_rule(q, k, v, g, beta, starts=None, chunk_size=64):
-    """The same result, chunk by chunk: matrix products inside a chunk of C tokens, a loop only across chunks.
-
-    In a chunk entered with state M0, let G_t = g_1 + ... + g_t and Dec[t, s] = exp(G_t - G_s) for s <= t in
-    the same document (else 0). The corrected values U (u_t = beta_t (v_t - M_{t-1}^T k_t)) solve a triangular
-    system, (I + A) U = beta V - beta exp(G) K M0 with A[t, s] = beta_t Dec[t, s] k_t.k_s for s < t, so
-        U = U~ - W M0,   U~ = (I + A)^-1 beta V,   W = (I + A)^-1 beta exp(G) K       (the UT transform)
-        O = (exp(G) Q M0 + (Q K^T * Dec) U) / sqrt(D)                     (the carried state, then the chunk)
-        M_next = exp(G_C) M0 + (K * exp(G_C - G))^T U                      (the state handed on)
-    A document start zeroes every decay that crosses it, exp(G) and exp(G_C - G) included.
-    """
-    B, S, H, D = q.shape
-    C, n = chunk_size, -(-S // chunk_size)  # n chunks; the last is padded with tokens that change nothing
-
-    def chunked(x):  # (B, S, H, ...) -> (B, H, n, C, ...)
-        x = F.pad(x.transpose(1, 2), (0, 0) * (x.dim() - 3) + (0, n * C - S))
-        return x.reshape(B, H, n, C, *x.shape[3:])
-
-    q, k, v, g, beta = map(chunked, (q * D ** -0.5, k, v, g, beta))  # q, k, v: (B, H, n, C, D); g, beta: (B, H, n, C)
-    starts = torch.zeros(B, S, dtype=torch.bool, device=q.device) if starts is None else starts
-    document = F.pad(starts, (0, n * C - S)).reshape(B, 1, n, C).cumsum(-1)  # (B, 1, n, C): 0 = the one entered
-    G = g.cumsum(-1)  # (B, H, n, C)
-    causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
-    same_document = (document[..., :, None] == document[..., None, :]) & causal  # (B, 1, n, C, C)
-    Dec = _masked_exp(G[..., :, None] - G[..., None, :], same_document)  # (B, H, n, C, C)
-    from_start = _masked_exp(G, document == 0)  # (B, H, n, C): decay from M0 to token t
-    to_end = _masked_exp(G[..., -1:] - G, document == document[..., -1:])  # (B, H, n, C): token t to chunk end
-    # the UT transform, for every chunk at once: one triangular solve gives U~ and W
-    A = (beta[..., None] * (k @ k.transpose(-1, -2)) * Dec).tril(-1)  # (B, H, n, C, C)
-    right = torch.cat([beta[..., None] * v, (beta * from_start)[..., None] * k], dim=-1)  # (B, H, n, C, 2D)
-    eye = torch.eye(C, dtype=q.dtype, device=q.device)
-    U_tilde, W = torch.linalg.solve_triangular(eye + A, right, upper=False, unitriangular=True).split(D, -1)
-    # the one sequential part: the state, carried across chunks
-    M, states, values = q.new_zeros(B, H, D, D), [], []
-    k_to_end = (k * to_end[..., None]).transpose(-1, -2)  # (B, H, n, D, C)
-    for i in range(n):
-        u = U_tilde[:, :, i] - W[:, :, i] @ M  # (B, H, C, D)
-        states.append(M)
-        values.append(u)
-        M = from_start[:, :, i, -1, None, None] * M + k_to_end[:, :, i] @ u  # (B, H, D, D)
-    states, U = torch.stack(states, dim=2), torch.stack(values, dim=2)  # (B, H, n, D, D), (B, H, n, C, D)
-    o = (q * from_start[..., None]) @ states + ((q @ k.transpose(-1, -2)) * Dec) @ U  # (B, H, n, C, D)
-    return o.reshape(B, H, n * C, D)[:, :, :S].transpose(1, 2)  # (B, S, H, D)
-
-
-def causal_conv1d(x, weight, starts=None):
-    """Depthwise causal convolution over the sequence, restarting at every document: x [B, S, channels], weight
-    [channels, W] -> [B, S, channels], out_t = sum_i weight[:, W-1-i] * x_{t-i} over the tokens of t's document."""
-    B, S, C = x.shape
-    W = weight.shape[1]
-    conv = lambda t: F.conv1d(F.pad(t.transpose(1, 2), (W - 1, 0)), weight[:, None], groups=C).transpose(1, 2)
-    if starts is None:
-        return conv(x)  # (B, S, C)
-    bounds = document_bounds(starts).tolist()
-    stream = x.reshape(1, B * S, C)  # the batch as one stream of documents
-    return torch.cat([conv(stream[:, s:e]) for s, e in zip(bounds[:-1], bounds[1:])], dim=1).view(B, S, C)
-
-
-def gated_delta_net(q, k, v, b, a, conv_weight, A_log, dt_bias, starts=None):
-    """What a Gated DeltaNet layer computes over the full sequence, for some of its heads: q, k, v [B, S, h, D]
-    before the convolution, b and a [B, S, h, 1] (the inputs of beta and of the decay), and the slices of the
-    per-head parameters for those h heads -> o [B, S, h, D]."""
-    B, S, h, D = q.shape
-    qkv = F.silu(causal_conv1d(torch.cat([q, k, v], dim=2).flatten(2), conv_weight, starts))  # (B, S, 3*h*D)
-    q, k, v = qkv.view(B, S, 3, h, D).unbind(2)  # (B, S, h, D) each
-    beta = b.squeeze(-1).sigmoid()  # (B, S, h)
-    g = -A_log.exp() * F.softplus(a.squeeze(-1) + dt_bias)  # (B, S, h): the log of the decay, <= 0
-    return chunk_gated_delta_rule(F.normalize(q, dim=-1), F.normalize(k, dim=-1), v, g, beta, starts)
-
-
-class GatedDeltaNet(nn.Module):
-    """Linear attention with the gated delta rule, in place of softmax attention. Called like Attention;
-    `attend` is gated_delta_net with this forward's document starts. It uses no RoPE: the recurrence knows
-    the order of the tokens."""
-
-    def __init__(self, cfg, sp_group):
-        super().__init__()
-        H, D = cfg.n_head, cfg.n_embd // cfg.n_head
-        self.n_head, self.head_dim, self.sp_group = H, D, sp_group
-        self.in_proj = nn.Linear(cfg.n_embd, 4 * H * D + 2 * H, bias=False)  # q, k, v, z (H*D each), b, a (H each)
-        self.conv = nn.Parameter(torch.empty(3, H, D, cfg.conv_width).uniform_(-1, 1) / cfg.conv_width ** 0.5)
-        self.A_log = nn.Parameter(torch.empty(H).uniform_(1, 16).log())  # decay rates, as in Mamba2
-        dt = torch.empty(H).uniform_(math.log(1e-3), math.log(0.1)).exp()
-        self.dt_bias = nn.Parameter(dt + torch.log(-torch.expm1(-dt)))  # softplus(dt_bias) = dt
-        self.norm = nn.RMSNorm(D, eps=1e-6)
-        self.proj = nn.Linear(H * D, cfg.n_embd, bias=False)
-
-    def forward(self, x, cos, sin, attend):
-        B, S_local, _ = x.shape
-        H, D = self.n_head, self.head_dim
-        q, k, v, z, b, a = self.in_proj(x).split([H * D] * 4 + [H] * 2, dim=-1)
-        q, k, v, z = (t.view(B, S_local, H, D) for t in (q, k, v, z))  # (B, S_local, H, D)
-        P, rank = size_and_rank(self.sp_group)
-        heads = head_layout(H, H, P)[0]
-        mine = heads[rank]
-        q, k, v, b, a = seq_to_heads((q, k, v, b[..., None], a[..., None]), self.sp_group, (heads,) * 5)  # (B, S, h, *)
-        o = attend(q, k, v, b, a, self.conv[:, mine.start:mine.stop].flatten(0, 2),  # (3*h*D, W): my channels
-                   self.A_log[mine.start:mine.stop], self.dt_bias[mine.start:mine.stop])  # (B, S, h, D)
-        o = heads_to_seq(o, self.sp_group, heads)  # (B, S_local, H, D)
-        return self.proj((self.norm(o) * F.silu(z)).flatten(2))  # the gate z is per token: it never left
-
-    def all_to_all_bytes(self, tokens, element_bytes):
-        """(forward, backward) bytes this rank sends per call: q, k, v (head_dim each) and b, a (one each) to the
-        other ranks' heads and the output back; backward the reverse."""
-        P, rank = size_and_rank(self.sp_group)
-        heads = head_layout(self.n_head, self.n_head, P)[0]
-        (in_there, in_back), (out_there, out_back) = (all_to_all_bytes(heads, rank, tokens * width * element_bytes)
-                                                      for width in (3 * self.head_dim + 2, self.head_dim))
-        return in_there + out_back, out_there + in_back
-
-
-# ----------------------------------------------------------------------------------------------------------------
 
 
 def mlp(x, fc_weight, proj_weight):
@@ -324,7 +176,7 @@ class GPT(nn.Module):
         # the kernels run on the full sequence, so with packing they need the document starts of the full sequence
         full_positions = gather_sequence(position_ids, self.sp_group) if packed else None
         attend = {"a": partial(document_attention, position_ids=full_positions, window=window) if packed else
-                  partial(local_attention, window=window) if window else causal_attention,
+                  partial(sliding_window_attention, window=window) if window else causal_attention,
                   "d": partial(gated_delta_net, starts=full_positions == 0 if packed else None)}
         x = self.embed(idx)  # (B, S_local, h)
         cos, sin = rope_cos_sin(position_ids, self.cfg.n_embd // self.cfg.n_head, self.cfg.rope_base)
@@ -339,63 +191,156 @@ class GPT(nn.Module):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# what one training step keeps in memory, predicted
+# Gated DeltaNet, the linear-attention layer of hybrid models.
+#
+# Gated DeltaNet is not softmax attention, and Ulysses carries it all the same: everything that needs the whole
+# sequence runs between its two all-to-alls, on this rank's heads, and everything per token stays outside.
+#
+#     local tokens, all heads          all tokens, my heads                    local tokens, all heads
+#     x -> q, k, v, z, b, a  --a2a-->  q, k, v, b, a:                 --a2a--> o -> RMSNorm(o) * silu(z) -> out
+#          (z stays here)              conv over the sequence (my heads'
+#                                      channels of its weight), silu, L2
+#                                      norm of q and k, gates from b and a
+#                                      (my heads' A_log and dt_bias), the
+#                                      gated delta rule -> o
+#
+# Per batch row and head, a state M_t [D, D] (M_0 = 0) is decayed and corrected token by token:
+#     M_t = exp(g_t) (I - beta_t k_t k_t^T) M_{t-1} + beta_t k_t v_t^T,      o_t = M_t^T q_t / sqrt(D)
+# g_t <= 0 (the log of the decay) and beta_t in (0, 1) are per token and head; q and k are L2-normalised. A
+# document start resets the state: exp(g_t) = 0 there. All kernels take the softmax kernels' layout,
+# [B, S, heads, D], and `starts`, a bool [B, S] marking where documents start (None: one document per row).
+# `python bench.py deltanet` times the chunked form against the recurrence.
 
 
-def predict_memory(cfg, tokens, sp, world_size, zero, cuda):
-    """This rank's peak tensor memory in one training step of GPT(cfg), in bytes, before anything is allocated:
-    {"peak", "state", "activations", "offloaded" (kept in CPU memory by cfg.offload)}. tokens: this rank's per
-    micro-step (B * S/sp); zero: "0", "3" or "fsdp2" over world_size ranks. The per-token counts are what
-    autograd keeps for backward in the layers above, counted on CPU in float32; on CUDA the same counts are
-    taken in bf16 (not measured there). The model is built on the meta device: shapes, no memory."""
-    with torch.device("meta"):
-        model = GPT(cfg)
-    n_params = sum(p.numel() for p in model.parameters())
-    unit = max(sum(p.numel() for p in u.parameters()) for u in model.units())  # the largest one ZeRO-3 gathers
-    e, h, V, H, D = (2 if cuda else 4), cfg.n_embd, cfg.vocab_size, cfg.n_head, cfg.n_embd // cfg.n_head
-    query_heads, kv_heads = head_layout(cfg.n_head, cfg.n_kv_head, sp)
-    q, kv = (max(map(len, heads)) * sp * D for heads in (query_heads, kv_heads))  # per local token, busiest rank
-    mlp = 9 * h if cfg.tiles == 1 else h  # its input, fc output and gelu output; tiled, its input alone
-    kept = {"a": 5 * h + 2 * (q + 2 * kv) + mlp,  # norms in and out, projection input, the kernel's q, k, v, out
-            "d": 26.4 * h + mlp + 8.3 * 64 * H + 4.1 * D * D * H / 64}  # and the chunks' matrices (chunk 64)
-    layers = [kept[block.kind] for block in model.blocks]
-    blocks = tokens * e * (cfg.n_layer * h if cfg.recompute else sum(layers))  # kept until backward
-    offloaded = blocks if cfg.offload and cuda else 0
-    # the head's backward (what it keeps, the float32 logits' gradient, the softmax), or a layer's (recomputed)
-    head = tokens * (3 * h * e + 12 * V if cfg.tiles == 1 else 2 * h * e + 8 * V / cfg.tiles)
-    layer = tokens * e * ((max(layers) if cfg.recompute else 0) + 4 * h)
-    activations = blocks - offloaded + tokens * e * 2 * D + max(head, layer)  # + RoPE's cos and sin
-    if zero == "0":  # everything on every rank (on CUDA also autocast's bf16 copy of the weights)
-        state, local = (16 + (2 if cuda else 0)) * n_params, n_params
-    else:  # float32 shards of params, grads and AdamW's two moments, and two gathered units (compute dtype)
-        state, local = 16 * n_params / world_size + 2 * unit * e, n_params / world_size
-    peak = state + max(activations, 8 * local)  # AdamW's step makes temporaries the size of the parameters
-    return {"peak": peak, "state": state, "activations": activations, "offloaded": offloaded}
+def gated_delta_rule(q, k, v, g, beta, starts=None):
+    """The recurrence, one token at a time: the obvious reference the chunked form must equal."""
+    decay = g.exp() if starts is None else g.exp().masked_fill(starts[:, :, None], 0.0)  # (B, S, H)
+    M = q.new_zeros(q.shape[0], q.shape[2], q.shape[3], v.shape[3])  # (B, H, D, D)
+    outputs = []
+    for t in range(q.shape[1]):
+        M = decay[:, t, :, None, None] * M
+        error = v[:, t] - torch.einsum("bhkv,bhk->bhv", M, k[:, t])  # (B, H, D): what M predicts for k, wrongly
+        M = M + beta[:, t, :, None, None] * k[:, t, :, :, None] * error[:, :, None, :]
+        outputs.append(torch.einsum("bhkv,bhk->bhv", M, q[:, t]) * q.shape[-1] ** -0.5)
+    return torch.stack(outputs, dim=1)  # (B, S, H, D)
 
 
-if __name__ == "__main__":  # python gpt.py: the gated delta rule, chunked against the recurrence, timed
-    import statistics
-    import time
-    torch.manual_seed(0)
-    B, S, H, D = 1, 4096, 4, 64
-    q, k = (F.normalize(torch.randn(B, S, H, D), dim=-1) for _ in range(2))
-    v, g, beta = torch.randn(B, S, H, D), -torch.rand(B, S, H) / 4, torch.rand(B, S, H)
+def _masked_exp(log_decay, keep):
+    """exp(log_decay) where keep, else 0, masked before exp so that nothing overflows."""
+    return torch.where(keep, log_decay, 0.0).exp() * keep
 
-    def seconds(run, repetitions=3):
-        times = []
-        for _ in range(repetitions):
-            start = time.perf_counter()
-            run()
-            times.append(time.perf_counter() - start)
-        return statistics.median(times)
 
-    def forward_backward(kernel):
-        inputs = [t.clone().requires_grad_() for t in (q, k, v, g, beta)]
-        kernel(*inputs).sum().backward()
+def chunk_gated_delta_rule(q, k, v, g, beta, starts=None, chunk_size=64):
+    """The same result, chunk by chunk: matrix products inside a chunk of C tokens, a loop only across chunks.
 
-    print(f"gated delta rule, B={B} S={S} H={H} D={D}, float32, {torch.get_num_threads()} threads; median of 3")
-    for name, run in (("forward", lambda kernel: torch.no_grad()(kernel)(q, k, v, g, beta)),
-                      ("forward + backward", forward_backward)):
-        recurrence, chunked = seconds(lambda: run(gated_delta_rule)), seconds(lambda: run(chunk_gated_delta_rule))
-        print(f"{name:18} recurrence {recurrence * 1e3:8.1f} ms   chunked {chunked * 1e3:7.1f} ms   "
-              f"{recurrence / chunked:5.1f}x faster")
+    In a chunk entered with state M0, let G_t = g_1 + ... + g_t and Dec[t, s] = exp(G_t - G_s) for s <= t in
+    the same document (else 0). The corrected values U (u_t = beta_t (v_t - M_{t-1}^T k_t)) solve a triangular
+    system, (I + A) U = beta V - beta exp(G) K M0 with A[t, s] = beta_t Dec[t, s] k_t.k_s for s < t, so
+        U = U~ - W M0,   U~ = (I + A)^-1 beta V,   W = (I + A)^-1 beta exp(G) K       (the UT transform)
+        O = (exp(G) Q M0 + (Q K^T * Dec) U) / sqrt(D)                     (the carried state, then the chunk)
+        M_next = exp(G_C) M0 + (K * exp(G_C - G))^T U                      (the state handed on)
+    A document start zeroes every decay that crosses it, exp(G) and exp(G_C - G) included.
+    """
+    B, S, H, D = q.shape
+    C, n = chunk_size, -(-S // chunk_size)  # n chunks; the last is padded with tokens that change nothing
+
+    def chunked(x):  # (B, S, H, ...) -> (B, H, n, C, ...)
+        x = F.pad(x.transpose(1, 2), (0, 0) * (x.dim() - 3) + (0, n * C - S))
+        return x.reshape(B, H, n, C, *x.shape[3:])
+
+    q, k, v, g, beta = map(chunked, (q * D ** -0.5, k, v, g, beta))  # q, k, v: (B, H, n, C, D); g, beta: (B, H, n, C)
+    starts = torch.zeros(B, S, dtype=torch.bool, device=q.device) if starts is None else starts
+    document = F.pad(starts, (0, n * C - S)).reshape(B, 1, n, C).cumsum(-1)  # (B, 1, n, C): 0 = the one entered
+    G = g.cumsum(-1)  # (B, H, n, C)
+    causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
+    same_document = (document[..., :, None] == document[..., None, :]) & causal  # (B, 1, n, C, C)
+    Dec = _masked_exp(G[..., :, None] - G[..., None, :], same_document)  # (B, H, n, C, C)
+    from_start = _masked_exp(G, document == 0)  # (B, H, n, C): decay from M0 to token t
+    to_end = _masked_exp(G[..., -1:] - G, document == document[..., -1:])  # (B, H, n, C): token t to chunk end
+    # the UT transform, for every chunk at once: one triangular solve gives U~ and W
+    A = (beta[..., None] * (k @ k.transpose(-1, -2)) * Dec).tril(-1)  # (B, H, n, C, C)
+    right = torch.cat([beta[..., None] * v, (beta * from_start)[..., None] * k], dim=-1)  # (B, H, n, C, 2D)
+    eye = torch.eye(C, dtype=q.dtype, device=q.device)
+    U_tilde, W = torch.linalg.solve_triangular(eye + A, right, upper=False, unitriangular=True).split(D, -1)
+    # the one sequential part: the state, carried across chunks
+    M, states, values = q.new_zeros(B, H, D, D), [], []
+    k_to_end = (k * to_end[..., None]).transpose(-1, -2)  # (B, H, n, D, C)
+    for i in range(n):
+        u = U_tilde[:, :, i] - W[:, :, i] @ M  # (B, H, C, D)
+        states.append(M)
+        values.append(u)
+        M = from_start[:, :, i, -1, None, None] * M + k_to_end[:, :, i] @ u  # (B, H, D, D)
+    states, U = torch.stack(states, dim=2), torch.stack(values, dim=2)  # (B, H, n, D, D), (B, H, n, C, D)
+    o = (q * from_start[..., None]) @ states + ((q @ k.transpose(-1, -2)) * Dec) @ U  # (B, H, n, C, D)
+    return o.reshape(B, H, n * C, D)[:, :, :S].transpose(1, 2)  # (B, S, H, D)
+
+
+def causal_conv1d(x, weight, starts=None):
+    """Depthwise causal convolution over the sequence, restarting at every document: x [B, S, channels], weight
+    [channels, W] -> [B, S, channels], out_t = sum_i weight[:, W-1-i] * x_{t-i} over the tokens of t's document."""
+    B, S, C = x.shape
+    if starts is None:
+        return _causal_conv(x, weight)  # (B, S, C)
+    bounds = document_bounds(starts).tolist()
+    stream = x.reshape(1, B * S, C)  # the batch as one stream of documents
+    documents = [_causal_conv(stream[:, s:e], weight) for s, e in zip(bounds[:-1], bounds[1:])]  # (1, n, C) each
+    return torch.cat(documents, dim=1).view(B, S, C)
+
+
+def _causal_conv(x, weight):
+    """x [B, n, C] -> [B, n, C]: the convolution over n tokens, zero before the first."""
+    x = F.pad(x.transpose(1, 2), (weight.shape[1] - 1, 0))  # (B, C, W-1 + n)
+    return F.conv1d(x, weight[:, None], groups=x.shape[1]).transpose(1, 2)  # (B, C, n) -> (B, n, C)
+
+
+def gated_delta_net(q, k, v, b, a, conv_weight, A_log, dt_bias, starts=None):
+    """What a Gated DeltaNet layer computes over the full sequence, for some of its heads: q, k, v [B, S, h, D]
+    before the convolution, b and a [B, S, h, 1] (the inputs of beta and of the decay), and the slices of the
+    per-head parameters for those h heads -> o [B, S, h, D]."""
+    B, S, h, D = q.shape
+    qkv = F.silu(causal_conv1d(torch.cat([q, k, v], dim=2).flatten(2), conv_weight, starts))  # (B, S, 3*h*D)
+    q, k, v = qkv.view(B, S, 3, h, D).unbind(2)  # (B, S, h, D) each
+    beta = b.squeeze(-1).sigmoid()  # (B, S, h)
+    g = -A_log.exp() * F.softplus(a.squeeze(-1) + dt_bias)  # (B, S, h): the log of the decay, <= 0
+    return chunk_gated_delta_rule(F.normalize(q, dim=-1), F.normalize(k, dim=-1), v, g, beta, starts)
+
+
+class GatedDeltaNet(nn.Module):
+    """Linear attention with the gated delta rule, in place of softmax attention. Called like Attention;
+    `attend` is gated_delta_net with this forward's document starts. It uses no RoPE: the recurrence knows
+    the order of the tokens."""
+
+    def __init__(self, cfg, sp_group):
+        super().__init__()
+        H, D = cfg.n_head, cfg.n_embd // cfg.n_head
+        self.n_head, self.head_dim, self.sp_group = H, D, sp_group
+        self.in_proj = nn.Linear(cfg.n_embd, 4 * H * D + 2 * H, bias=False)  # q, k, v, z (H*D each), b, a (H each)
+        self.conv = nn.Parameter(torch.empty(3, H, D, cfg.conv_width).uniform_(-1, 1) / cfg.conv_width ** 0.5)
+        self.A_log = nn.Parameter(torch.empty(H).uniform_(1, 16).log())  # decay rates, as in Mamba2
+        dt = torch.empty(H).uniform_(math.log(1e-3), math.log(0.1)).exp()
+        self.dt_bias = nn.Parameter(dt + torch.log(-torch.expm1(-dt)))  # softplus(dt_bias) = dt
+        self.norm = nn.RMSNorm(D, eps=1e-6)
+        self.proj = nn.Linear(H * D, cfg.n_embd, bias=False)
+
+    def forward(self, x, cos, sin, attend):
+        B, S_local, _ = x.shape
+        H, D = self.n_head, self.head_dim
+        q, k, v, z, b, a = self.in_proj(x).split([H * D] * 4 + [H] * 2, dim=-1)
+        q, k, v, z = (t.view(B, S_local, H, D) for t in (q, k, v, z))  # (B, S_local, H, D)
+        P, rank = size_and_rank(self.sp_group)
+        heads = head_layout(H, H, P)[0]
+        mine = heads[rank]
+        q, k, v, b, a = seq_to_heads((q, k, v, b[..., None], a[..., None]), self.sp_group, (heads,) * 5)  # (B, S, h, *)
+        o = attend(q, k, v, b, a, self.conv[:, mine.start:mine.stop].flatten(0, 2),  # (3*h*D, W): my channels
+                   self.A_log[mine.start:mine.stop], self.dt_bias[mine.start:mine.stop])  # (B, S, h, D)
+        o = heads_to_seq(o, self.sp_group, heads)  # (B, S_local, H, D)
+        return self.proj((self.norm(o) * F.silu(z)).flatten(2))  # the gate z is per token: it never left
+
+    def all_to_all_bytes(self, tokens, element_bytes):
+        """(forward, backward) bytes this rank sends per call: q, k, v (head_dim each) and b, a (one each) to the
+        other ranks' heads and the output back; backward the reverse."""
+        P, rank = size_and_rank(self.sp_group)
+        heads = head_layout(self.n_head, self.n_head, P)[0]
+        (in_there, in_back), (out_there, out_back) = (all_to_all_bytes(heads, rank, tokens * width * element_bytes)
+                                                      for width in (3 * self.head_dim + 2, self.head_dim))
+        return in_there + out_back, out_there + in_back
