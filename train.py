@@ -24,7 +24,9 @@ One optimizer step, on every rank of the dp x sp mesh (the code cites these numb
      micro-steps (ulysses.global_valid_tokens); a batch without valid tokens gives 0, never NaN;
   6. backward; gradients are SUMMED over all dp x sp ranks (ZeRO-3 reduce-scatters with SUM). With step 5 this
      is exactly the gradient one device would compute on the global batch: no 1/sp or 1/dp factor anywhere;
-  7. clip by the global gradient norm; AdamW updates this rank's shard; the next forward gathers new weights.
+  7. clip by the global gradient norm; sum the loss and accuracy of the global batch for the log (a non-finite
+     loss stops the run here, before the update); AdamW updates this rank's shard; the next forward gathers
+     the new weights.
 """
 
 import argparse
@@ -35,17 +37,19 @@ import os
 import shutil
 import time
 import traceback
-from contextlib import nullcontext
+from contextlib import contextmanager
+from functools import partial
 
 import torch
 import torch.distributed as dist
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed.device_mesh import init_device_mesh
+from torch.nn.modules.module import register_module_forward_pre_hook
 from tqdm import tqdm
 
 import data
 import ulysses
-from gpt import GPT, GPTConfig, predict_memory
+from gpt import GPT, GPTConfig
 from zero3 import ZeRO3, fsdp2_shard, load_whole_state, whole_state
 
 MODEL_FIELDS = ("n_layer", "n_head", "n_kv_head", "n_embd", "window", "layer_pattern")  # what shapes the model
@@ -157,6 +161,7 @@ def train(args, world_size, mesh, device, documents, checkpoint):
               f"seq {args.seq_len} | global batch {dp * args.batch_size * args.grad_accum} sequences | {device} | "
               f"predicted peak {predicted(args, world_size)['peak'] / 2**20:,.2f} MiB per rank")
 
+    memory = PeakMemory(model, optimizer, zero, device)
     metrics = open_metrics(args, start_step) if rank == 0 else None
     history = []
     ulysses.reset_all_to_all_stats()
@@ -168,16 +173,12 @@ def train(args, world_size, mesh, device, documents, checkpoint):
             t0 = time.perf_counter()
             micro_batches = [load_micro_batch(args, documents, step, micro, dp, dp_rank, sp_group, device)
                              for micro in range(args.grad_accum)]
-            last = step == args.steps - 1  # its peak memory is measured; every step is alike
-            with memory_tracker(model, optimizer, zero) if last and device.type == "cpu" else nullcontext() as tracker:
-                loss, accuracy, grad_norm, lr = train_step(step, micro_batches, model, zero, optimizer, args, tracker)
+            with memory.measure(step == args.steps - 1):  # every step is alike: the last one is measured
+                loss, accuracy, grad_norm, lr = train_step(step, micro_batches, model, zero, optimizer, args)
             seconds = time.perf_counter() - t0
-            tokens = dp * args.grad_accum * args.batch_size * args.seq_len
+            tokens = dp * args.grad_accum * args.batch_size * args.seq_len  # the global batch's, padding excluded
             history.append({"step": step + 1, "loss": loss, "grad_norm": grad_norm, "lr": lr, "tokens": tokens,
                             "seconds": seconds, "accuracy": accuracy})
-            if last:  # bytes, this rank
-                history[-1]["peak_bytes"] = (torch.cuda.max_memory_allocated(device) if device.type == "cuda" else
-                                             tracker.get_tracker_snapshot("peak")[device]["Total"])
             bar.set_postfix(loss=f"{loss:.4f}", acc=f"{accuracy:.3f}", tok_s=f"{tokens / seconds:.0f}")
             if metrics:
                 print(json.dumps(history[-1]), file=metrics, flush=True)
@@ -189,12 +190,13 @@ def train(args, world_size, mesh, device, documents, checkpoint):
         bar.close()
         if metrics:
             metrics.close()
-    if history:  # the last step's gradients are still there to be counted
+    if history:  # the summary counts the model state, the last step's gradients included
+        history[-1]["peak_bytes"] = memory.peak_bytes
         summarize(args, history, model, optimizer, n_params, world_size, device, rank)
     return history
 
 
-def train_step(step, micro_batches, model, zero, optimizer, args, tracker=None):
+def train_step(step, micro_batches, model, zero, optimizer, args):
     """One optimizer step on this rank's micro-batches of the global batch. Returns (loss, accuracy, grad_norm,
     lr), the first three for the whole global batch. Leaves the gradients in place (the caller may count them)."""
     device = micro_batches[0][0].device
@@ -203,8 +205,6 @@ def train_step(step, micro_batches, model, zero, optimizer, args, tracker=None):
     valid = ulysses.global_valid_tokens([labels for _, labels, _ in micro_batches], dist.group.WORLD)
     loss_sum = correct = 0
     for inputs, labels, position_ids in micro_batches:
-        if tracker:  # it follows one forward per module; the peak of the whole step is kept
-            tracker.reset_mod_stats()
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda"):
             micro_loss_sum, micro_correct = model(inputs, position_ids, labels, packed=args.pack)
         (micro_loss_sum / valid).backward()
@@ -427,8 +427,58 @@ def collective_failure(error, rank, step, args):
 # memory: predicted before the run (and refused if it cannot fit), measured during its last step
 
 
+def predict_memory(cfg, tokens, sp, world_size, zero, cuda):
+    """This rank's peak tensor memory in one training step of GPT(cfg), in bytes, before anything is allocated:
+    {"peak", "state", "activations", "adamw" (the optimizer step's temporaries), "offloaded" (kept in CPU memory
+    by cfg.offload)}, peak = state + the larger of activations and adamw. tokens: this rank's per
+    micro-step (B * S/sp); zero: "0", "3" or "fsdp2" over world_size ranks. The model is built on the meta
+    device: shapes, no memory. `python bench.py memory` sets the prediction beside the measured peak.
+
+    What a layer keeps for backward is counted tensor by tensor, in elements per local token, as autograd saves
+    it on CPU in float32 (torch.autograd.graph.saved_tensors_hooks, storages counted once); on CUDA the same
+    counts are taken in bf16, which no GPU has checked."""
+    with torch.device("meta"):
+        model = GPT(cfg)
+    n_params = sum(p.numel() for p in model.parameters())
+    unit = max(sum(p.numel() for p in u.parameters()) for u in model.units())  # the largest one ZeRO-3 gathers
+    e, h, V, H, D = (2 if cuda else 4), cfg.n_embd, cfg.vocab_size, cfg.n_head, cfg.n_embd // cfg.n_head
+    query_heads, kv_heads = ulysses.head_layout(cfg.n_head, cfg.n_kv_head, sp)
+    q, kv = (max(map(len, heads)) * sp * D for heads in (query_heads, kv_heads))  # per local token, busiest rank
+    mlp = 9 * h if cfg.tiles == 1 else h  # its input, fc output and gelu output; tiled, its input alone
+    norms = 5 * h + 2  # norm1: input, input * rstd, output; norm2: input, input * rstd; one rstd each
+    # softmax attention: the kernel's q, k, v and output, its logsumexp (one a head), and the projection's input,
+    # which on one rank is the kernel's output itself, but keeps the whole qkv output alive (v is a view of it)
+    # beside the rotated q and k; under SP the all-to-alls make new tensors of them all
+    attention = (q + 2 * kv) + q + H + (q + kv if sp == 1 else h)
+    # Gated DeltaNet (chunks of C = 64 tokens): the in_proj output (z is a view of it), o, o * rstd, norm(o),
+    # silu(z) and the projection's input (9h); the conv's padded input, output and silu (9h); the chunked kernel's
+    # padded q, k, v, five matmul operands, the solve's output (2h), k * decay, u and U (13h); seven C x C
+    # matrices a head (the decays, k k^T and its gated forms, the solve's input, q k^T and q k^T * decay); 16
+    # numbers a head (gates, norms, decays); the carried state [D, D] a head once a chunk, twice; C + 2 masks
+    # of one byte
+    C = 64
+    deltanet = 31 * h + 7 * C * H + 16 * H + 2 * D * D * H / C + (C + 2) / e
+    kept = {"a": norms + attention + mlp, "d": norms + deltanet + mlp}
+    layers = [kept[block.kind] for block in model.blocks]
+    blocks = tokens * e * (cfg.n_layer * h if cfg.recompute else sum(layers))  # kept until backward
+    offloaded = blocks if cfg.offload and cuda else 0
+    # The head's backward: the final norm's three [h] tensors, then float32 logits, their gradient and the
+    # softmax's output, 4 bytes each per vocabulary entry; tiled, its input and one tile's logits and gradient.
+    head = tokens * (3 * h * e + 12 * V if cfg.tiles == 1 else 2 * h * e + 8 * V / cfg.tiles)
+    # A block's backward (after its recomputation, if any) holds about four [h] gradients at once: measured
+    layer = tokens * e * ((max(layers) if cfg.recompute else 0) + 4 * h)
+    activations = blocks - offloaded + tokens * e * 2 * D + max(head, layer)  # + RoPE's cos and sin
+    if zero == "0":  # everything on every rank (on CUDA also autocast's bf16 copy of the weights)
+        state, local = (16 + (2 if cuda else 0)) * n_params, n_params
+    else:  # float32 shards of params, grads and AdamW's two moments, and two gathered units (compute dtype)
+        state, local = 16 * n_params / world_size + 2 * unit * e, n_params / world_size
+    adamw = 8 * local  # AdamW's step makes two float32 temporaries the size of the shards, after backward
+    return {"peak": state + max(activations, adamw), "state": state, "activations": activations, "adamw": adamw,
+            "offloaded": offloaded}
+
+
 def predicted(args, world_size, cuda=None, **changed):
-    """gpt.predict_memory for a run with these flags (some of them changed)."""
+    """predict_memory for a run with these flags (some of them changed)."""
     args = argparse.Namespace(**{**vars(args), **changed})
     tokens = args.batch_size * math.ceil(args.seq_len / args.sp)  # this rank's, per micro-step
     return predict_memory(model_config(args), tokens, args.sp, world_size, args.zero,
@@ -452,7 +502,8 @@ def memory_verdict(args, world_size, memory, cuda):
     m, gib = predicted(args, world_size, cuda), lambda b: f"{b / 2**30:,.1f} GiB"
     return m["peak"] <= memory, (
         f"{gib(m['peak'])} per rank for {math.ceil(args.seq_len / args.sp):,} tokens a rank (model state "
-        f"{gib(m['state'])} + activations {gib(m['activations'])}; {gib(m['offloaded'])} more in CPU memory), against "
+        f"{gib(m['state'])} + the larger of activations {gib(m['activations'])} and AdamW's step temporaries "
+        f"{gib(m['adamw'])}; {gib(m['offloaded'])} more in CPU memory), against "
         f"{gib(memory)}; {f'about {longest:,} tokens would fit' if longest else 'no sequence fits'}; "
         f"{'; '.join(others) or 'nothing else to try'}")
 
@@ -487,12 +538,41 @@ def plan(args):
     return fits
 
 
-def memory_tracker(model, optimizer, zero):
-    """Peak tensor memory of one step on CPU, where there is no torch.cuda.max_memory_allocated: MemTracker
-    follows every tensor made while it is entered; what exists before must be named to it."""
-    tracker = MemTracker()
-    tracker.track_external(model, optimizer, *([u.full for u in zero.units] if zero else []))
-    return tracker
+class PeakMemory:
+    """The peak tensor memory of one training step on this rank, in bytes: torch.cuda.max_memory_allocated on
+    CUDA; on CPU, which has no such counter, MemTracker, which follows every tensor made while it is entered (the
+    model, the optimizer and ZeRO-3's gathered units exist before, so they are named to it). Only the measured
+    step pays for the tracking."""
+
+    def __init__(self, model, optimizer, zero, device):
+        self.existing = [model, optimizer, *([unit.full for unit in zero.units] if zero else [])]
+        self.model, self.device, self.peak_bytes = model, device, None
+
+    @contextmanager
+    def measure(self, enabled=True):
+        if not enabled:
+            yield
+        elif self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+            yield
+            self.peak_bytes = torch.cuda.max_memory_allocated(self.device)
+        else:
+            tracker = MemTracker()
+            tracker.track_external(*self.existing)
+            # MemTracker refuses a module that runs twice (gradient accumulation) unless its per-module statistics
+            # are cleared before each forward of the model; the peak of the whole step is kept.
+            hook = register_module_forward_pre_hook(partial(_clear_module_stats, tracker, self.model))
+            try:
+                with tracker:
+                    yield
+            finally:
+                hook.remove()
+            self.peak_bytes = tracker.get_tracker_snapshot("peak")[self.device]["Total"]
+
+
+def _clear_module_stats(tracker, model, module, inputs):
+    if module is model:
+        tracker.reset_mod_stats()
 
 
 # ----------------------------------------------------------------------------------------------------------------
