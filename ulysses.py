@@ -30,11 +30,13 @@ attention kernels; and the batch and the loss (rules 1, 2 and 4). It depends on 
 own project. `python bench.py attention` measures it.
 """
 
+import time
 from functools import partial
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.distributed_c10d import _resolve_process_group  # a group's name -> the group
 
 try:  # optional: flash-attn's kernels take the [B, S, H, D] layout as it is
     from flash_attn import flash_attn_func, flash_attn_varlen_func
@@ -45,6 +47,22 @@ except ImportError:
 def size_and_rank(group):
     """(P, this process's rank in the group); (1, 0) for group=None, which means no communication."""
     return (1, 0) if group is None else (dist.get_world_size(group), dist.get_rank(group))
+
+
+def _collective(call, tensors, *args, **kwargs):
+    """call(*args, **kwargs), a blocking torch.distributed collective over `tensors`, returning only once the
+    backend has let go of them. On CPU, gloo returns as soon as the data has moved, and its worker thread drops its
+    references to the tensors a moment later; dropping the last C++ reference to a tensor that Python holds too
+    needs the interpreter lock. If the program is exiting by then (a last collective, destroy_process_group, exit)
+    the thread cannot take the lock, and the process aborts with "terminate called without an active exception".
+    So on CPU we wait here for those references to go: microseconds, and never more than a second. (CUDA
+    backends keep their work until the GPU has finished, and tell nobody: nothing to wait for there.)"""
+    before = [t._use_count() for t in tensors]
+    call(*args, **kwargs)
+    deadline = time.monotonic() + 1.0
+    while (tensors[0].device.type == "cpu" and any(t._use_count() > n for t, n in zip(tensors, before))
+           and time.monotonic() < deadline):
+        time.sleep(0)  # hands the interpreter lock to the worker thread
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -79,7 +97,7 @@ def _one_tensor_exchange(x, group, scatter_dim, gather_dim, direction):
     send = x.unflatten(scatter_dim, (P, -1)).movedim(scatter_dim, 0)  # (B, S/P, H, D) -> (P, B, S/P, H/P, D)
     send = send.contiguous()  # one copy: row j, my tokens of rank j's heads, goes to rank j
     received = torch.empty_like(send)  # (P, B, S/P, H/P, D): row i will be rank i's tokens of my heads
-    dist.all_to_all_single(received, send, group=group)
+    _collective(dist.all_to_all_single, [received, send], received, send, group=group)
     _count(direction, send.nbytes * (P - 1) // P)  # row `rank` stays here
     joined = received.movedim(0, gather_dim)  # (P, B, S/P, H/P, D) -> (B, P, S/P, H/P, D)
     return joined.flatten(gather_dim, gather_dim + 1)  # -> (B, S, H/P, D), a copy unless B = 1
@@ -215,18 +233,32 @@ def _unpack(buffer, shapes):
     return [flat.view(shape) for flat, shape in zip(buffer.split([shape.numel() for shape in shapes]), shapes)]
 
 
-def _fused_exchange(tensors, group, send, receive, split_dim, join_dim, direction):
-    """For every tensor t, with its P ranges send[t] along split_dim and receive[t] along join_dim: send t's
-    slice send[t][j] to rank j, and place what rank i sends at receive[t][i] of the joined tensor, all tensors
-    in ONE collective call. A place that several ranks fill (on its way back, a kv head that had gone to
-    several ranks) receives their sum. Returns the joined tensors."""
+def _joined(t, heads, to_heads, P, me):
+    """An empty tensor for what t's exchange joins on this rank: [B, S, heads me, D] (all tokens, stored
+    head-major) or [B, S/P, all heads, D]. Built the same way for the exchange and for torch.compile's tracing,
+    so the two agree on shape and memory layout."""
+    B, S, H, D = t.shape
+    if to_heads:
+        return torch.empty_permuted((B, S * P, len(heads[me]), D), (0, 2, 1, 3), dtype=t.dtype, device=t.device)
+    return t.new_empty(B, S // P, heads[-1].stop, D)
+
+
+def _fused_exchange(tensors, group, heads, to_heads, direction):
+    """seq_to_heads (to_heads) or heads_to_seq of several tensors, tensor t cut by heads[t] (P ranges, one per
+    rank), all in ONE collective call. Each tensor's pieces are cut along split_dim (heads, or tokens on the way
+    back) and joined along join_dim: rank j gets t's slice send[t][j], and what rank i sends lands at
+    receive[t][i] of the joined tensor. A place that several ranks fill (on its way back, a kv head that had
+    gone to several ranks) receives their sum. Returns the joined tensors."""
     P, me = dist.get_world_size(group), dist.get_rank(group)
+    S_local = tensors[0].shape[1] if to_heads else tensors[0].shape[1] // P
+    tokens = [range(i * S_local, (i + 1) * S_local) for i in range(P)]  # rank i's tokens in the full sequence
+    send, receive = (heads, [tokens] * len(tensors)) if to_heads else ([tokens] * len(tensors), heads)
+    split_dim, join_dim = (2, 1) if to_heads else (1, 2)
     others = [j for j in range(P) if j != me]
     pieces = [[_narrow(t, split_dim, ranges[j]) for t, ranges in zip(tensors, send)] for j in range(P)]  # for rank j
-    joined_shapes = [_resized(_resized(t.shape, split_dim, len(send_ranges[me])), join_dim, receive_ranges[-1].stop)
-                     for t, send_ranges, receive_ranges in zip(tensors, send, receive)]
+    joined = [_joined(t, t_heads, to_heads, P, me) for t, t_heads in zip(tensors, heads)]
     # what arrives from rank i, tensor by tensor: my part of split_dim over rank i's range of join_dim
-    arriving = [[_resized(shape, join_dim, len(ranges[i])) for shape, ranges in zip(joined_shapes, receive)]
+    arriving = [[_resized(out.shape, join_dim, len(ranges[i])) for out, ranges in zip(joined, receive)]
                 for i in range(P)]
 
     # 1. one copy into the send buffer, destination by destination; my own pieces stay where they are
@@ -235,20 +267,18 @@ def _fused_exchange(tensors, group, send, receive, split_dim, join_dim, directio
     send_sizes = [0 if j == me else sum(piece.numel() for piece in pieces[j]) for j in range(P)]
     receive_sizes = [0 if i == me else sum(shape.numel() for shape in arriving[i]) for i in range(P)]
     receive_buffer = send_buffer.new_empty(sum(receive_sizes))
-    dist.all_to_all_single(receive_buffer, send_buffer, receive_sizes, send_sizes, group=group)
+    _collective(dist.all_to_all_single, [receive_buffer, send_buffer], receive_buffer, send_buffer, receive_sizes,
+                send_sizes, group=group)
     _count(direction, send_buffer.nbytes)
     # The send buffer is done with (gloo has sent it when the call returns; on CUDA the memory is reused only by
-    # later work on the same stream), so its memory goes now, before the outputs exist: the two never coexist.
-    # Resized rather than just dropped, because the backend's worker thread may hold a reference a moment longer.
+    # later work on the same stream), so its memory goes now, before the outputs are filled: the two never
+    # coexist. Resized rather than just dropped, because on CUDA the backend may still hold a reference.
     send_buffer.untyped_storage().resize_(0)
     # 3. one copy out of the receive buffer (and out of my own pieces) into the joined tensors
     received = _unpack(receive_buffer, [shape for i in others for shape in arriving[i]])
     n = len(tensors)
     from_rank = {i: received[k * n:(k + 1) * n] for k, i in enumerate(others)}
     from_rank[me] = pieces[me]
-    head_major = [0, 2, 1, 3] if join_dim == 1 else [0, 1, 2, 3]  # all tokens joined: [B, heads, S, D] in memory
-    joined = [torch.empty_permuted(shape, head_major, dtype=t.dtype, device=t.device)
-              for t, shape in zip(tensors, joined_shapes)]
     for k, (out, ranges) in enumerate(zip(joined, receive)):
         overlapping = any(a.stop > b.start for a, b in zip(ranges, ranges[1:]))  # kv heads gone to several ranks
         if overlapping:
@@ -262,50 +292,72 @@ def _fused_exchange(tensors, group, send, receive, split_dim, join_dim, directio
     return joined
 
 
-class _FusedAllToAll(torch.autograd.Function):
-    """_fused_exchange as an autograd op. Its backward is the same exchange the other way: send and receive
-    swapped, and the split and join dimensions."""
+# The exchange as an operator of its own (torch.library.custom_op), so that torch.compile traces a model through
+# it without a break: the compiler sees one opaque call with its output shapes (_joined), while the call itself
+# runs the Python above, byte counts included. Its backward is the same exchange the other way (heads_to_seq for
+# seq_to_heads), the gradient of each received piece going back to the rank that sent it. The group travels by
+# name, never as an object: nothing the autograd graph keeps holds on to the process group.
 
-    @staticmethod
-    def forward(ctx, group, send, receive, split_dim, join_dim, *tensors):
-        ctx.reverse = (group, receive, send, join_dim, split_dim)
-        return tuple(_fused_exchange(tensors, group, send, receive, split_dim, join_dim, "forward"))
 
-    @staticmethod
-    def backward(ctx, *grads):
-        return None, None, None, None, None, *_fused_exchange(grads, *ctx.reverse, "backward")
+def _head_ranges(bounds, n_tensors):
+    """[start0, stop0, start1, stop1, ...] -> per tensor, one range per rank (an operator takes flat int lists)."""
+    pairs = [range(a, b) for a, b in zip(bounds[::2], bounds[1::2])]
+    P = len(pairs) // n_tensors
+    return [pairs[k * P:(k + 1) * P] for k in range(n_tensors)]
+
+
+@torch.library.custom_op("ulysses::exchange", mutates_args=())
+def _exchange_op(tensors: list[torch.Tensor], head_bounds: list[int], to_heads: bool, group_name: str,
+                 direction: str) -> list[torch.Tensor]:
+    group = _resolve_process_group(group_name)
+    return _fused_exchange(tensors, group, _head_ranges(head_bounds, len(tensors)), to_heads, direction)
+
+
+@_exchange_op.register_fake
+def _exchange_shapes(tensors, head_bounds, to_heads, group_name, direction):
+    group = _resolve_process_group(group_name)
+    P, me = dist.get_world_size(group), dist.get_rank(group)
+    return [_joined(t, heads, to_heads, P, me) for t, heads in zip(tensors, _head_ranges(head_bounds, len(tensors)))]
+
+
+def _keep_exchange(ctx, inputs, output):
+    _, ctx.head_bounds, ctx.to_heads, ctx.group_name, _ = inputs
+
+
+def _exchange_backward(ctx, grads):
+    back = _exchange_op(list(grads), ctx.head_bounds, not ctx.to_heads, ctx.group_name, "backward")
+    return back, None, None, None, None
+
+
+_exchange_op.register_autograd(_exchange_backward, setup_context=_keep_exchange)
 
 
 def _exchange(x, group, heads, to_heads):
-    """seq_to_heads or heads_to_seq: one tensor with H/P heads a rank through the plain all-to-all, anything
-    else through the fused one."""
+    """seq_to_heads or heads_to_seq of a tensor or a tuple of tensors (then in one collective call)."""
     P = size_and_rank(group)[0]
     if P == 1:
         return x
-    if heads is None:
-        H = x.shape[2] * (1 if to_heads else P)
-        if H % P:
-            raise ValueError(f"{H} heads do not split evenly over {P} ranks: pass heads=head_layout(...)[0]")
-        return all_to_all(x, group, 2, 1) if to_heads else all_to_all(x, group, 1, 2)
     single = torch.is_tensor(x)
-    tensors, heads = ((x,), (heads,)) if single else (tuple(x), tuple(heads))
+    tensors = [x] if single else list(x)
     if len({(t.dtype, t.device) for t in tensors}) > 1:  # they share one buffer
         raise ValueError(f"tensors that travel in one all-to-all must share dtype and device; got "
                          f"{[(t.dtype, str(t.device)) for t in tensors]}")
-    S_local = tensors[0].shape[1] if to_heads else tensors[0].shape[1] // P
-    tokens = (tuple(range(i * S_local, (i + 1) * S_local) for i in range(P)),) * len(tensors)  # rank i's, each
-    if to_heads:
-        out = _FusedAllToAll.apply(group, heads, tokens, 2, 1, *tensors)
-    else:
-        out = _FusedAllToAll.apply(group, tokens, heads, 1, 2, *tensors)
-    return out[0] if single else out
+    if heads is None:  # one tensor, H/P heads a rank
+        H = tensors[0].shape[2] * (1 if to_heads else P)
+        if H % P:
+            raise ValueError(f"{H} heads do not split evenly over {P} ranks: pass heads=head_layout(...)[0]")
+        heads = head_layout(H, 1, P)[0]
+    heads = [heads] if single else list(heads)
+    bounds = [b for ranges in heads for r in ranges for b in (r.start, r.stop)]
+    out = _exchange_op(tensors, bounds, to_heads, group.group_name, "forward")
+    return out[0] if single else tuple(out)
 
 
 def seq_to_heads(x, group, heads=None):
     """[B, S/P, H, D] (my tokens, all heads) -> [B, S, H_r, D] (all tokens, my heads), where heads[r] is the
-    range of heads rank r receives (default: H/P each, in rank order, by the plain all_to_all; head_layout gives
-    uneven splits). x may be a tuple of tensors with one heads list each: they all travel in ONE all-to-all.
-    Differentiable; its backward is heads_to_seq."""
+    range of heads rank r receives (default: H/P each, in rank order; head_layout gives uneven splits). x may
+    be a tuple of tensors with one heads list each: they all travel in ONE all-to-all. Differentiable (its
+    backward is heads_to_seq) and traceable by torch.compile."""
     return _exchange(x, group, heads, to_heads=True)
 
 
@@ -391,7 +443,8 @@ def gather_sequence(x, group):
     if P == 1:
         return x
     parts = [torch.empty_like(x) for _ in range(P)]
-    dist.all_gather(parts, x.contiguous(), group=group)
+    x = x.contiguous()
+    _collective(dist.all_gather, [x, *parts], parts, x, group=group)
     return torch.cat(parts, dim=1)
 
 
@@ -425,7 +478,7 @@ def global_valid_tokens(labels, group=None):
     labels = [labels] if torch.is_tensor(labels) else labels
     count = sum((l != -100).sum() for l in labels)  # () int64
     if size_and_rank(group)[0] > 1:
-        dist.all_reduce(count, group=group)
+        _collective(dist.all_reduce, [count], count, group=group)
     return count.clamp(min=1)
 
 
@@ -438,7 +491,8 @@ def check_shards(x, group=None):
     if P == 1:
         return
     shapes = [torch.zeros(2, dtype=torch.long, device=x.device) for _ in range(P)]
-    dist.all_gather(shapes, torch.tensor(x.shape[:2], device=x.device), group=group)
+    mine = torch.tensor(x.shape[:2], device=x.device)
+    _collective(dist.all_gather, [mine, *shapes], shapes, mine, group=group)
     shapes = [tuple(s.tolist()) for s in shapes]
     if len(set(shapes)) > 1:
         raise ValueError(f"the ranks of the SP group hold [batch, tokens] shards of different shapes, {shapes} by "
