@@ -82,6 +82,8 @@ def parse_args(argv=None):
     p.add_argument("--tiles", type=int, default=1, help="run the MLP and the loss over this many sequence tiles")
     p.add_argument("--recompute", action="store_true", help="keep only block inputs for backward; recompute there")
     p.add_argument("--offload", action="store_true", help="with --recompute, on CUDA: block inputs in CPU memory")
+    p.add_argument("--compile", action="store_true", help="compile each block with torch.compile (inductor), the "
+                   "all-to-alls traced through; the first step of each new shape compiles")
     p.add_argument("--out-dir", help="write checkpoints here (at the end, and every --save-every steps)")
     p.add_argument("--save-every", type=int, default=0)
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --out-dir")
@@ -146,6 +148,9 @@ def train(args, world_size, mesh, device, documents, checkpoint):
 
     torch.manual_seed(args.seed)  # every rank builds the same initial model
     model = GPT(model_config(args), sp_group=sp_group).to(device)
+    if args.compile:  # each block's forward on its own, as torchtitan does; hooks (ZeRO-3's gathers) stay eager
+        for block in model.blocks:
+            block.forward = torch.compile(block.forward)
     n_params = sum(p.numel() for p in model.parameters())
     compute_dtype = torch.bfloat16 if device.type == "cuda" else None
     zero = None  # ZeRO-3 and FSDP2 shard over every rank: the dp x sp mesh flattened, i.e. the world group
