@@ -7,6 +7,7 @@ that teach a concept, so those read as their lesson.
     python bench.py tiled       # what sequence tiling saves in the MLP and the loss (tiled.py)
     python bench.py deltanet    # the gated delta rule, chunked against the token-by-token recurrence (gpt.py)
     python bench.py memory      # train.py's predicted peak memory per rank against the measured one
+    python bench.py compile     # train.py eager against --compile: the first step (which compiles) and the rest
 
 Multi-rank measurements start their own gloo processes on this machine; `python bench.py CMD --help` lists the
 options of each.
@@ -329,9 +330,14 @@ def deltanet(args):
 # python bench.py memory: train.py's prediction against MemTracker's measurement, the busiest rank
 
 
+def _train_quietly(argv):
+    """train.main(argv) without its own report; its metrics, one dict per step."""
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        return train.main(argv)
+
+
 def _memory_rank(rank, P, argv):
-    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):  # its own report
-        history = train.main(argv + ["--steps", "2", "--batch-size", "1"])
+    history = _train_quietly(argv + ["--steps", "2", "--batch-size", "1"])
     peak = torch.tensor(float(history[-1]["peak_bytes"]))
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     return peak.item()
@@ -352,6 +358,31 @@ def memory(args):
             train.check_args(flags, P)
             cells.append(f"{measured / 2**20:.1f} / {train.predicted(flags, P)['peak'] / 2**20:.1f}")
         print(f"{S:>8,} {' '.join(extra):<24}" + "".join(f"{cell:>16}" for cell in cells), flush=True)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# python bench.py compile: train.py eager against --compile, the first step (which compiles) and the rest
+
+
+def _step_seconds_rank(rank, P, argv):
+    return [record["seconds"] for record in _train_quietly(argv)]
+
+
+def compile_(args):
+    argv = ["--steps", str(args.steps), *args.flags]
+    print(f"train.py {' '.join(argv)} [--compile], seconds per step on rank 0; eager and compiled alternate, "
+          f"{args.runs} runs each", flush=True)
+    print(f"{'P':>2} {'mode':<9} {'first step s':>13} {'later steps, median s':>22} {'later vs eager':>15}", flush=True)
+    for P in args.sp:
+        seconds = {"eager": [], "compiled": []}
+        for _ in range(args.runs):  # interleaved, so that a busy moment of the machine hits both alike
+            for mode, extra in (("eager", []), ("compiled", ["--compile"])):
+                seconds[mode].append(run_ranks(P, _step_seconds_rank, argv + extra))
+        eager_later = statistics.median(s for run in seconds["eager"] for s in run[1:])
+        for mode, runs in seconds.items():
+            later = statistics.median(s for run in runs for s in run[1:])
+            first = statistics.median(run[0] for run in runs)
+            print(f"{P:>2} {mode:<9} {first:13.2f} {later:22.3f} {later / eager_later:14.2f}x", flush=True)
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
@@ -389,6 +420,12 @@ def main():
     p.add_argument("--sp", type=int, nargs="+", default=[1, 2, 4], help="SP sizes, one column each")
     p.add_argument("--flags", nargs=argparse.REMAINDER, default=[], help="more train.py flags, last on the line, "
                    "e.g. --flags --layer-pattern ddda")
+    p = commands.add_parser("compile", help="train.py eager against --compile: compile time and step time",
+                            formatter_class=_HelpFormatter, allow_abbrev=False)
+    p.add_argument("--sp", type=int, nargs="+", default=[2, 4], help="ranks (all sequence-parallel), one row pair each")
+    p.add_argument("--steps", type=int, default=30, help="steps of each run")
+    p.add_argument("--runs", type=int, default=2, help="runs of each mode")
+    p.add_argument("--flags", nargs=argparse.REMAINDER, default=[], help="more train.py flags, last on the line")
     args = parser.parse_args()
     if args.command == "attention":
         args.kv_heads = args.kv_heads or args.heads
@@ -398,7 +435,8 @@ def main():
             if P < 2 or args.heads % P or args.kv_heads % P:
                 parser.error(f"--sp {P}: each SP size must be at least 2 and divide --heads {args.heads} and "
                              f"--kv-heads {args.kv_heads} (the weak-scaling rows use 2 and 4 as well)")
-    {"attention": attention, "tiled": tiled, "deltanet": deltanet, "memory": memory}[args.command](args)
+    measure = {"attention": attention, "tiled": tiled, "deltanet": deltanet, "memory": memory, "compile": compile_}
+    measure[args.command](args)
 
 
 if __name__ == "__main__":
