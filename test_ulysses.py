@@ -291,6 +291,75 @@ def test_attention_kernels_match_the_dense_formula():
                                _dense_attention(q, k, v, causal & same_document & (i[:, None] - i[None, :] < 3)))
 
 
+COMPILE_CASES = {2: [(4, 2)], 3: [(6, 2)], 4: [(6, 3)]}  # P: (Hq, Hkv); GQA, and 3 and 4 split kv heads unevenly
+
+
+def _compiled_attention_rank(rank, world_size, backend):
+    """ulysses_attention compiled with fullgraph (any break is an error) against eager, for two sequence lengths
+    marked dynamic; per head layout, the largest difference (outputs and input gradients) and the graphs made."""
+    results = []
+    for Hq, Hkv in COMPILE_CASES[world_size]:
+        torch._dynamo.reset()  # a model has one head layout: each case starts afresh
+        torch._dynamo.utils.counters.clear()
+        compiled = torch.compile(ulysses.ulysses_attention, backend=backend, fullgraph=True)
+        worst = 0.0
+        for S in (24, 36):
+            q, k, v, grad_out = (_sp_slice(t, rank, world_size) for t in _qkv(2, S, Hq, Hkv, 8))
+            pair = []
+            for attention in (ulysses.ulysses_attention, compiled):
+                inputs = [t.clone().requires_grad_() for t in (q, k, v)]
+                for t in inputs:
+                    torch._dynamo.mark_dynamic(t, 1)  # the sequence length
+                out = attention(*inputs, dist.group.WORLD)
+                pair.append([out, *torch.autograd.grad(out, inputs, grad_out)])
+            worst = max([worst] + [(a - b).abs().max().item() for a, b in zip(*pair)])
+        results.append((worst, torch._dynamo.utils.counters["stats"]["unique_graphs"]))
+    return results
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_compiled_attention_matches_eager(world_size):
+    """torch.compile(ulysses_attention, fullgraph=True) traces the exchange without a break (the all-to-all is
+    an operator of its own) and equals eager, forward and backward, with uneven heads and GQA; a second sequence
+    length, marked dynamic, reuses the graph."""
+    for rank_results in run_ranks(world_size, _compiled_attention_rank, "aot_eager"):
+        assert rank_results == [(pytest.approx(0, abs=1e-6), 1)] * len(COMPILE_CASES[world_size])
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_compiled_attention_inductor(world_size):
+    """The same with inductor, which generates code around the exchange (slow: a compile per head layout)."""
+    for rank_results in run_ranks(world_size, _compiled_attention_rank, "inductor"):
+        assert rank_results == [(pytest.approx(0, abs=1e-6), 1)] * len(COMPILE_CASES[world_size])
+
+
+USER_SCRIPT = """
+import sys
+sys.path.insert(0, {here!r})
+import torch
+import torch.distributed as dist
+import ulysses
+
+torch.set_num_threads(1)
+dist.init_process_group("gloo")
+group = dist.group.WORLD  # held until the interpreter exits, as user scripts do
+q, k, v = (torch.randn(2, 16, 4, 8, requires_grad=True) for _ in range(3))
+ulysses.ulysses_attention(q, k, v, group).sum().backward()
+dist.destroy_process_group()
+"""
+
+
+def test_a_user_script_exits_cleanly(tmp_path):
+    """ulysses_attention forward and backward, destroy_process_group, exit: status 0 on every rank, every time
+    (gloo's worker threads once outlived such a script's last collective and aborted it at exit)."""
+    script = tmp_path / "user_script.py"
+    script.write_text(USER_SCRIPT.format(here=HERE))
+    for run in range(4):
+        done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
+                               str(script)], capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0 and "terminate called" not in done.stderr, (run, done.stderr[-2000:])
+
+
 # ================================================================================================================
 # tiled.py: the same numbers without the full activations
 
@@ -774,6 +843,16 @@ def test_training_with_uneven_heads(kv):
     [(reference, _)] = run_ranks(1, _train_rank, [(argv + ["8"], None)])[0]
     [(history, _)] = run_ranks(4, _train_rank, [(argv + ["8", "--sp", "4"], None)])[0]
     _assert_same_training(history, reference, f"6 heads, {kv} kv heads, sp 4")
+
+
+@pytest.mark.parametrize("world_size, layout", [(2, ["--sp", "2"]), (4, ["--sp", "2", "--batch-size", "4"])],
+                         ids=["sp2", "dp2xsp2"])
+def test_compiled_training_inductor(world_size, layout):
+    """--compile (each block through inductor, ZeRO-3's hooks eager) trains as eager does: 20 steps, same losses,
+    gradient norms and accuracy (slow: inductor compiles the blocks on every rank)."""
+    argv = TRAIN_ARGS + ["--seq-len", "32"] + layout
+    eager, compiled = run_ranks(world_size, _train_rank, [(argv, None), (argv + ["--compile"], None)])[0]
+    _assert_same_training(compiled[0], eager[0], f"--compile on {world_size} ranks")
 
 
 @pytest.mark.parametrize("pack", [[], ["--pack"]], ids=["plain", "packed"])
