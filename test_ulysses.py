@@ -354,7 +354,7 @@ def test_a_user_script_exits_cleanly(tmp_path):
     (gloo's worker threads once outlived such a script's last collective and aborted it at exit)."""
     script = tmp_path / "user_script.py"
     script.write_text(USER_SCRIPT.format(here=HERE))
-    for run in range(4):
+    for run in range(3):
         done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
                                str(script)], capture_output=True, text=True, timeout=120)
         assert done.returncode == 0 and "terminate called" not in done.stderr, (run, done.stderr[-2000:])
