@@ -49,22 +49,6 @@ def size_and_rank(group):
     return (1, 0) if group is None else (dist.get_world_size(group), dist.get_rank(group))
 
 
-def _collective(call, tensors, *args, **kwargs):
-    """call(*args, **kwargs), a blocking torch.distributed collective over `tensors`, returning only once the
-    backend has let go of them. On CPU, gloo returns as soon as the data has moved, and its worker thread drops its
-    references to the tensors a moment later; dropping the last C++ reference to a tensor that Python holds too
-    needs the interpreter lock. If the program is exiting by then (a last collective, destroy_process_group, exit)
-    the thread cannot take the lock, and the process aborts with "terminate called without an active exception".
-    So on CPU we wait here for those references to go: microseconds, and never more than a second. (CUDA
-    backends keep their work until the GPU has finished, and tell nobody: nothing to wait for there.)"""
-    before = [t._use_count() for t in tensors]
-    call(*args, **kwargs)
-    deadline = time.monotonic() + 1.0
-    while (tensors[0].device.type == "cpu" and any(t._use_count() > n for t, n in zip(tensors, before))
-           and time.monotonic() < deadline):
-        time.sleep(0)  # hands the interpreter lock to the worker thread
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # the all-to-all of one tensor: H/P heads a rank
 #
@@ -97,6 +81,7 @@ def _one_tensor_exchange(x, group, scatter_dim, gather_dim, direction):
     send = x.unflatten(scatter_dim, (P, -1)).movedim(scatter_dim, 0)  # (B, S/P, H, D) -> (P, B, S/P, H/P, D)
     send = send.contiguous()  # one copy: row j, my tokens of rank j's heads, goes to rank j
     received = torch.empty_like(send)  # (P, B, S/P, H/P, D): row i will be rank i's tokens of my heads
+    # dist.all_to_all_single(received, send, group=group), waiting until gloo has let go (_collective, below)
     _collective(dist.all_to_all_single, [received, send], received, send, group=group)
     _count(direction, send.nbytes * (P - 1) // P)  # row `rank` stays here
     joined = received.movedim(0, gather_dim)  # (P, B, S/P, H/P, D) -> (B, P, S/P, H/P, D)
@@ -206,6 +191,22 @@ def head_layout(n_head, n_kv_head, P):
 # What stays on this rank, q[t0,h0] and the like, never enters the buffers: it goes straight from the input
 # into the output. A tensor of all tokens (q, k, v here, the output's gradient in backward) is stored
 # head-major, [B, H_r, S, D] in memory, and handed on with [B, S, H_r, D] shape: SDPA reads that memory as it is.
+
+
+def _collective(call, tensors, *args, **kwargs):
+    """call(*args, **kwargs), a blocking torch.distributed collective over `tensors`, returning only once the
+    backend has let go of them. On CPU, gloo returns as soon as the data has moved, and its worker thread drops its
+    references to the tensors a moment later; dropping the last C++ reference to a tensor that Python holds too
+    needs the interpreter lock. If the program is exiting by then (a last collective, destroy_process_group, exit)
+    the thread cannot take the lock, and the process aborts with "terminate called without an active exception".
+    So on CPU we wait here for those references to go: microseconds, and never more than a second. (CUDA
+    backends keep their work until the GPU has finished, and tell nobody: nothing to wait for there.)"""
+    before = [t._use_count() for t in tensors]
+    call(*args, **kwargs)
+    deadline = time.monotonic() + 1.0
+    while (tensors[0].device.type == "cpu" and any(t._use_count() > n for t, n in zip(tensors, before))
+           and time.monotonic() < deadline):
+        time.sleep(0)  # hands the interpreter lock to the worker thread
 
 
 def _narrow(t, dim, part):
