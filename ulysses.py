@@ -30,6 +30,7 @@ attention kernels; and the batch and the loss (rules 1, 2 and 4). It depends on 
 own project. `python bench.py attention` measures it.
 """
 
+import sys
 import time
 from functools import partial
 
@@ -199,14 +200,20 @@ def _collective(call, tensors, *args, **kwargs):
     references to the tensors a moment later; dropping the last C++ reference to a tensor that Python holds too
     needs the interpreter lock. If the program is exiting by then (a last collective, destroy_process_group, exit)
     the thread cannot take the lock, and the process aborts with "terminate called without an active exception".
-    So on CPU we wait here for those references to go: microseconds, and never more than a second. (CUDA
-    backends keep their work until the GPU has finished, and tell nobody: nothing to wait for there.)"""
-    before = [t._use_count() for t in tensors]
+    So on CPU we wait here until both counts of each tensor are back, the C++ references and, released a moment
+    after them, the Python ones: under a millisecond, and never more than a second. (CUDA backends keep their
+    work until the GPU has finished, and tell nobody: nothing to wait for there.)"""
+    before = [_holders(t) for t in tensors]
     call(*args, **kwargs)
     deadline = time.monotonic() + 1.0
-    while (tensors[0].device.type == "cpu" and any(t._use_count() > n for t, n in zip(tensors, before))
-           and time.monotonic() < deadline):
-        time.sleep(0)  # hands the interpreter lock to the worker thread
+    while (tensors[0].device.type == "cpu" and time.monotonic() < deadline
+           and any(now > then for t, was in zip(tensors, before) for now, then in zip(_holders(t), was))):
+        time.sleep(1e-5)  # the interpreter lock is free for the worker thread meanwhile
+
+
+def _holders(t):
+    """(C++ references, Python references) of a tensor."""
+    return t._use_count(), sys.getrefcount(t)
 
 
 def _narrow(t, dim, part):
