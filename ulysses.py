@@ -315,26 +315,27 @@ def _head_ranges(bounds, n_tensors):
 
 
 @torch.library.custom_op("ulysses::exchange", mutates_args=())
-def _exchange_op(tensors: list[torch.Tensor], head_bounds: list[int], to_heads: bool, group_name: str,
+def _exchange_op(tensors: list[torch.Tensor], head_bounds: list[int], to_heads: bool, group_name: str, rank: int,
                  direction: str) -> list[torch.Tensor]:
     group = _resolve_process_group(group_name)
     return _fused_exchange(tensors, group, _head_ranges(head_bounds, len(tensors)), to_heads, direction)
 
 
 @_exchange_op.register_fake
-def _exchange_shapes(tensors, head_bounds, to_heads, group_name, direction):
-    group = _resolve_process_group(group_name)
-    P, me = dist.get_world_size(group), dist.get_rank(group)
-    return [_joined(t, heads, to_heads, P, me) for t, heads in zip(tensors, _head_ranges(head_bounds, len(tensors)))]
+def _exchange_shapes(tensors, head_bounds, to_heads, group_name, rank, direction):
+    # the rank is an argument, not looked up, so that each rank's compiled code (which inductor caches by its
+    # arguments) carries its own shapes
+    P = dist.get_world_size(_resolve_process_group(group_name))
+    return [_joined(t, heads, to_heads, P, rank) for t, heads in zip(tensors, _head_ranges(head_bounds, len(tensors)))]
 
 
 def _keep_exchange(ctx, inputs, output):
-    _, ctx.head_bounds, ctx.to_heads, ctx.group_name, _ = inputs
+    _, ctx.head_bounds, ctx.to_heads, ctx.group_name, ctx.rank, _ = inputs
 
 
 def _exchange_backward(ctx, grads):
-    back = _exchange_op(list(grads), ctx.head_bounds, not ctx.to_heads, ctx.group_name, "backward")
-    return back, None, None, None, None
+    back = _exchange_op(list(grads), ctx.head_bounds, not ctx.to_heads, ctx.group_name, ctx.rank, "backward")
+    return back, None, None, None, None, None
 
 
 _exchange_op.register_autograd(_exchange_backward, setup_context=_keep_exchange)
@@ -357,7 +358,7 @@ def _exchange(x, group, heads, to_heads):
         heads = head_layout(H, 1, P)[0]
     heads = [heads] if single else list(heads)
     bounds = [b for ranges in heads for r in ranges for b in (r.start, r.stop)]
-    out = _exchange_op(tensors, bounds, to_heads, group.group_name, "forward")
+    out = _exchange_op(tensors, bounds, to_heads, group.group_name, size_and_rank(group)[1], "forward")
     return out[0] if single else tuple(out)
 
 
