@@ -17,6 +17,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from functools import partial
 
 import pytest
@@ -47,6 +48,7 @@ def _worker(rank, world_size, port, fn, args, result_dir):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
     torch.set_num_threads(1)
+    warnings.filterwarnings("error", module="ulysses")  # a collective that gloo never let go of fails the test
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     result = fn(rank, world_size, *args)
     torch.save(result, os.path.join(result_dir, f"{rank}.pt"))
@@ -356,7 +358,8 @@ def test_a_user_script_exits_cleanly(tmp_path):
     script.write_text(USER_SCRIPT.format(here=HERE))
     for run in range(3):
         done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
-                               str(script)], capture_output=True, text=True, timeout=120)
+                               str(script)], capture_output=True, text=True, timeout=120,
+                              env=dict(os.environ, PYTHONWARNINGS="error:::ulysses"))
         assert done.returncode == 0 and "terminate called" not in done.stderr, (run, done.stderr[-2000:])
 
 

@@ -32,6 +32,7 @@ own project. `python bench.py attention` measures it.
 
 import sys
 import time
+import warnings
 from functools import partial
 
 import torch
@@ -201,19 +202,24 @@ def _collective(call, tensors, *args, **kwargs):
     needs the interpreter lock. If the program is exiting by then (a last collective, destroy_process_group, exit)
     the thread cannot take the lock, and the process aborts with "terminate called without an active exception".
     So on CPU we wait here until both counts of each tensor are back, the C++ references and, released a moment
-    after them, the Python ones: under a millisecond, and never more than a second. (CUDA backends keep their
+    after them, the Python ones: under a millisecond; after a second we warn and go on. (CUDA backends keep their
     work until the GPU has finished, and tell nobody: nothing to wait for there.)"""
-    before = [_holders(t) for t in tensors]
+    before = _holders(tensors)
     call(*args, **kwargs)
+    if tensors[0].device.type != "cpu":
+        return
     deadline = time.monotonic() + 1.0
-    while (tensors[0].device.type == "cpu" and time.monotonic() < deadline
-           and any(now > then for t, was in zip(tensors, before) for now, then in zip(_holders(t), was))):
+    while _holders(tensors) != before:
+        if time.monotonic() > deadline:
+            warnings.warn(f"gloo still held the tensors of a {call.__name__} one second after it returned")
+            return
         time.sleep(1e-5)  # the interpreter lock is free for the worker thread meanwhile
 
 
-def _holders(t):
-    """(C++ references, Python references) of a tensor."""
-    return t._use_count(), sys.getrefcount(t)
+def _holders(tensors):
+    """(C++ references, Python references) of each tensor. Counted the same way before and after a call, so the
+    references this function itself makes cancel out."""
+    return [(t._use_count(), sys.getrefcount(t)) for t in tensors]
 
 
 def _narrow(t, dim, part):
