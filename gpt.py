@@ -112,13 +112,24 @@ class MLP(nn.Module):
         return tiled_mlp(mlp, x, weights, self.tiles) if self.tiles > 1 else mlp(x, *weights)
 
 
+def rms_norm(x, weight, eps=None):
+    """RMSNorm over the last dim, its statistics in at least float32 whatever the dtypes of x and of the weight
+    (bf16 when ZeRO-3 or FSDP2 gathers it so); the result in x's dtype."""
+    return F.rms_norm(at_least_float32(x), x.shape[-1:], at_least_float32(weight), eps).to(x.dtype)
+
+
+class RMSNorm(nn.RMSNorm):  # nn.RMSNorm's weight and name, rms_norm's arithmetic
+    def forward(self, x):
+        return rms_norm(x, self.weight, self.eps)
+
+
 class Block(nn.Module):
     def __init__(self, cfg, sp_group, kind):
         super().__init__()
         self.kind = kind  # "a" or "d"
-        self.norm1 = nn.RMSNorm(cfg.n_embd)
+        self.norm1 = RMSNorm(cfg.n_embd)
         self.attn = Attention(cfg, sp_group) if kind == "a" else GatedDeltaNet(cfg, sp_group)
-        self.norm2, self.mlp = nn.RMSNorm(cfg.n_embd), MLP(cfg)
+        self.norm2, self.mlp = RMSNorm(cfg.n_embd), MLP(cfg)
 
     def forward(self, x, cos, sin, attend):
         x = x + self.attn(self.norm1(x), cos, sin, attend)
@@ -131,12 +142,12 @@ class Head(nn.Module):
 
     def __init__(self, cfg):
         super().__init__()
-        self.norm = nn.RMSNorm(cfg.n_embd)
+        self.norm = RMSNorm(cfg.n_embd)
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         self.tiles = cfg.tiles
 
     def logits(self, x, norm_weight, lm_head_weight):
-        return at_least_float32(F.linear(F.rms_norm(x, x.shape[-1:], norm_weight, self.norm.eps), lm_head_weight))
+        return at_least_float32(F.linear(rms_norm(x, norm_weight, self.norm.eps), lm_head_weight))  # float32 logits
 
     def forward(self, x, labels=None):
         weights = (self.norm.weight, self.lm_head.weight)
@@ -178,7 +189,7 @@ class GPT(nn.Module):
         attend = {"a": partial(document_attention, position_ids=full_positions, window=window) if packed else
                   partial(sliding_window_attention, window=window) if window else causal_attention,
                   "d": partial(gated_delta_net, starts=full_positions == 0 if packed else None)}
-        x = self.embed(idx)  # (B, S_local, h)
+        x = at_least_float32(self.embed(idx))  # (B, S_local, h); the residual stream stays float32 under bf16
         cos, sin = rope_cos_sin(position_ids, self.cfg.n_embd // self.cfg.n_head, self.cfg.rope_base)
         offload = self.cfg.offload and x.is_cuda  # ALST's trick: block inputs wait for backward in CPU memory
         for block in self.blocks:
@@ -296,13 +307,19 @@ def _causal_conv(x, weight):
 def gated_delta_net(q, k, v, b, a, conv_weight, A_log, dt_bias, starts=None):
     """What a Gated DeltaNet layer computes over the full sequence, for some of its heads: q, k, v [B, S, h, D]
     before the convolution, b and a [B, S, h, 1] (the inputs of beta and of the decay), and the slices of the
-    per-head parameters for those h heads -> o [B, S, h, D]."""
+    per-head parameters for those h heads -> o [B, S, h, D]. It computes in float32 with autocast off, whatever
+    the dtype of its inputs: cumulative decays and a state carried over the whole sequence would drift in bf16's 8
+    significant bits. o comes back in the inputs' dtype, for the all-to-all."""
     B, S, h, D = q.shape
-    qkv = F.silu(causal_conv1d(torch.cat([q, k, v], dim=2).flatten(2), conv_weight, starts))  # (B, S, 3*h*D)
-    q, k, v = qkv.view(B, S, 3, h, D).unbind(2)  # (B, S, h, D) each
-    beta = b.squeeze(-1).sigmoid()  # (B, S, h)
-    g = -A_log.exp() * F.softplus(a.squeeze(-1) + dt_bias)  # (B, S, h): the log of the decay, <= 0
-    return chunk_gated_delta_rule(F.normalize(q, dim=-1), F.normalize(k, dim=-1), v, g, beta, starts)
+    dtype = q.dtype
+    with torch.autocast(q.device.type, enabled=False):
+        q, k, v, b, a, conv_weight, A_log, dt_bias = map(at_least_float32, (q, k, v, b, a, conv_weight, A_log, dt_bias))
+        qkv = F.silu(causal_conv1d(torch.cat([q, k, v], dim=2).flatten(2), conv_weight, starts))  # (B, S, 3*h*D)
+        q, k, v = qkv.view(B, S, 3, h, D).unbind(2)  # (B, S, h, D) each
+        beta = b.squeeze(-1).sigmoid()  # (B, S, h)
+        g = -A_log.exp() * F.softplus(a.squeeze(-1) + dt_bias)  # (B, S, h): the log of the decay, <= 0
+        o = chunk_gated_delta_rule(F.normalize(q, dim=-1), F.normalize(k, dim=-1), v, g, beta, starts)
+    return o.to(dtype)  # (B, S, h, D)
 
 
 class GatedDeltaNet(nn.Module):
@@ -319,7 +336,7 @@ class GatedDeltaNet(nn.Module):
         self.A_log = nn.Parameter(torch.empty(H).uniform_(1, 16).log())  # decay rates, as in Mamba2
         dt = torch.empty(H).uniform_(math.log(1e-3), math.log(0.1)).exp()
         self.dt_bias = nn.Parameter(dt + torch.log(-torch.expm1(-dt)))  # softplus(dt_bias) = dt
-        self.norm = nn.RMSNorm(D, eps=1e-6)
+        self.norm = RMSNorm(D, eps=1e-6)
         self.proj = nn.Linear(H * D, cfg.n_embd, bias=False)
 
     def forward(self, x, cos, sin, attend):

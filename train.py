@@ -82,6 +82,9 @@ def parse_args(argv=None):
     p.add_argument("--tiles", type=int, default=1, help="run the MLP and the loss over this many sequence tiles")
     p.add_argument("--recompute", action="store_true", help="keep only block inputs for backward; recompute there")
     p.add_argument("--offload", action="store_true", help="with --recompute, on CUDA: block inputs in CPU memory")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], help="what matmuls, attention and the all-to-alls "
+                   "compute in (default: bfloat16 on CUDA and for --plan, else float32); parameters, AdamW state, "
+                   "gradient sums and checkpoints stay float32")
     p.add_argument("--compile", action="store_true", help="compile each block with torch.compile (inductor), the "
                    "all-to-alls traced through; the first step of each new shape compiles")
     p.add_argument("--out-dir", help="write checkpoints here (at the end, and every --save-every steps)")
@@ -152,7 +155,7 @@ def train(args, world_size, mesh, device, documents, checkpoint):
         for block in model.blocks:
             block.forward = torch.compile(block.forward)
     n_params = sum(p.numel() for p in model.parameters())
-    compute_dtype = torch.bfloat16 if device.type == "cuda" else None
+    compute_dtype = torch.bfloat16 if args.dtype == "bfloat16" else None  # what ZeRO-3 and FSDP2 gather
     zero = None  # ZeRO-3 and FSDP2 shard over every rank: the dp x sp mesh flattened, i.e. the world group
     if args.zero == "3":
         zero = ZeRO3(model, model.units(), group=dist.group.WORLD, compute_dtype=compute_dtype)
@@ -163,7 +166,7 @@ def train(args, world_size, mesh, device, documents, checkpoint):
     start_step = restore(checkpoint, model, zero, optimizer, rank) if checkpoint else 0
     if rank == 0:
         print(f"world {world_size} = dp {dp} x sp {args.sp} | zero {args.zero} | {n_params / 1e6:.2f}M parameters | "
-              f"seq {args.seq_len} | global batch {dp * args.batch_size * args.grad_accum} sequences | {device} | "
+              f"seq {args.seq_len} | global batch {dp * args.batch_size * args.grad_accum} sequences | {device} | {args.dtype} | "
               f"predicted peak {predicted(args, world_size)['peak'] / 2**20:,.2f} MiB per rank")
 
     memory = PeakMemory(model, optimizer, zero, device)
@@ -210,7 +213,8 @@ def train_step(step, micro_batches, model, zero, optimizer, args):
     valid = ulysses.global_valid_tokens([labels for _, labels, _ in micro_batches], dist.group.WORLD)
     loss_sum = correct = 0
     for inputs, labels, position_ids in micro_batches:
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda"):
+        # mixed precision: matmuls and attention in bf16, the rest in float32 (gpt.py says where that is forced)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.dtype == "bfloat16"):
             micro_loss_sum, micro_correct = model(inputs, position_ids, labels, packed=args.pack)
         (micro_loss_sum / valid).backward()
         loss_sum, correct = loss_sum + micro_loss_sum.detach(), correct + micro_correct
@@ -372,6 +376,7 @@ def check_args(args, world_size):
     args.sp = world_size if args.sp is None else args.sp
     args.n_kv_head = args.n_head if args.n_kv_head is None else args.n_kv_head
     args.zero = ("3" if world_size > 1 else "0") if args.zero is None else args.zero
+    args.dtype = ("bfloat16" if args.device == "cuda" or args.plan else "float32") if args.dtype is None else args.dtype
     args.n_layer = max(2, len(args.layer_pattern)) if args.n_layer is None else args.n_layer
     args.lr = (5e-4 if "d" in args.layer_pattern else 1e-3) if args.lr is None else args.lr
     args.warmup = max(1, args.steps // 10) if args.warmup is None else args.warmup
@@ -432,7 +437,7 @@ def collective_failure(error, rank, step, args):
 # memory: predicted before the run (and refused if it cannot fit), measured during its last step
 
 
-def predict_memory(cfg, tokens, sp, world_size, zero, cuda):
+def predict_memory(cfg, tokens, sp, world_size, zero, cuda, bf16):
     """This rank's peak tensor memory in one training step of GPT(cfg), in bytes, before anything is allocated:
     {"peak", "state", "activations", "adamw" (the optimizer step's temporaries), "offloaded" (kept in CPU memory
     by cfg.offload)}, peak = state + the larger of activations and adamw. tokens: this rank's per
@@ -446,7 +451,7 @@ def predict_memory(cfg, tokens, sp, world_size, zero, cuda):
         model = GPT(cfg)
     n_params = sum(p.numel() for p in model.parameters())
     unit = max(sum(p.numel() for p in u.parameters()) for u in model.units())  # the largest one ZeRO-3 gathers
-    e, h, V, H, D = (2 if cuda else 4), cfg.n_embd, cfg.vocab_size, cfg.n_head, cfg.n_embd // cfg.n_head
+    e, h, V, H, D = (2 if bf16 else 4), cfg.n_embd, cfg.vocab_size, cfg.n_head, cfg.n_embd // cfg.n_head
     query_heads, kv_heads = ulysses.head_layout(cfg.n_head, cfg.n_kv_head, sp)
     q, kv = (max(map(len, heads)) * sp * D for heads in (query_heads, kv_heads))  # per local token, busiest rank
     mlp = 9 * h if cfg.tiles == 1 else h  # its input, fc output and gelu output; tiled, its input alone
@@ -473,8 +478,8 @@ def predict_memory(cfg, tokens, sp, world_size, zero, cuda):
     # A block's backward (after its recomputation, if any) holds about four [h] gradients at once: measured
     layer = tokens * e * ((max(layers) if cfg.recompute else 0) + 4 * h)
     activations = blocks - offloaded + tokens * e * 2 * D + max(head, layer)  # + RoPE's cos and sin
-    if zero == "0":  # everything on every rank (on CUDA also autocast's bf16 copy of the weights)
-        state, local = (16 + (2 if cuda else 0)) * n_params, n_params
+    if zero == "0":  # everything on every rank (in bf16 also autocast's bf16 copy of the weights)
+        state, local = (16 + (2 if bf16 else 0)) * n_params, n_params
     else:  # float32 shards of params, grads and AdamW's two moments, and two gathered units (compute dtype)
         state, local = 16 * n_params / world_size + 2 * unit * e, n_params / world_size
     adamw = 8 * local  # AdamW's step makes two float32 temporaries the size of the shards, after backward
@@ -487,7 +492,7 @@ def predicted(args, world_size, cuda=None, **changed):
     args = argparse.Namespace(**{**vars(args), **changed})
     tokens = args.batch_size * math.ceil(args.seq_len / args.sp)  # this rank's, per micro-step
     return predict_memory(model_config(args), tokens, args.sp, world_size, args.zero,
-                          args.device == "cuda" if cuda is None else cuda)
+                          args.device == "cuda" if cuda is None else cuda, args.dtype == "bfloat16")
 
 
 def memory_verdict(args, world_size, memory, cuda):
@@ -596,7 +601,8 @@ def summarize(args, history, model, optimizer, n_params, world_size, device, ran
     peak, params, grads, optim = peaks.tolist()
     sent, mib, seconds = ulysses.all_to_all_stats, lambda b: f"{b / 2**20:,.2f} MiB", sum(r["seconds"] for r in history)
     tokens = args.batch_size * math.ceil(args.seq_len / args.sp)  # this rank's, per micro-step
-    per_layer = [block.attn.all_to_all_bytes(tokens, 2 if device.type == "cuda" else 4) for block in model.blocks]
+    element_bytes = 2 if args.dtype == "bfloat16" else 4
+    per_layer = [block.attn.all_to_all_bytes(tokens, element_bytes) for block in model.blocks]
     formula = args.grad_accum * sum((2 if args.recompute else 1) * there + back for there, back in per_layer)
     print(f"final: loss {history[-1]['loss']:.4f} | accuracy {history[-1]['accuracy']:.4f}")
     print(f"throughput: {sum(r['tokens'] for r in history) / seconds:,.0f} tokens/s "

@@ -267,7 +267,9 @@ def fsdp2_shard(model, units, group, compute_dtype=None):
     """The same sharding done by PyTorch's FSDP2, for comparison: one FSDP unit per unit, then the root, with
     gradients summed over the ranks like ZeRO3's. Give the optimizer model.parameters() (DTensor shards)."""
     mesh = DeviceMesh.from_group(group or dist.group.WORLD, next(model.parameters()).device.type)
-    policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+    # compute_dtype for the gathered parameters alone, like ZeRO3: the inputs of a unit (the float32 residual
+    # stream, RoPE's tables) keep their dtype
+    policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
     for module in [*units, model]:  # the root last: it picks up what no unit holds (nothing, here)
         fully_shard(module, mesh=mesh, mp_policy=policy)
         module.set_gradient_divide_factor(1.0)  # sum, do not average over ranks
