@@ -434,7 +434,8 @@ def test_tiled_keeps_only_its_input_and_sends_each_gradient_once():
 
 def test_tiles_recompute_under_the_forward_autocast():
     """Backward runs outside autocast, so the tiles must re-enter the forward's autocast to recompute what forward
-    computed. With bf16 weights (ZeRO-3's gathered copy on CUDA) and a float32 input it would not even run."""
+    computed. With bf16 weights (ZeRO-3's gathered copy under --dtype bfloat16) and a float32 input it would not
+    even run."""
     torch.manual_seed(0)
     x = torch.randn(2, 13, 16, requires_grad=True)
     weights = [(torch.randn(64, 16) / 4).bfloat16().requires_grad_(),

@@ -166,8 +166,8 @@ def train(args, world_size, mesh, device, documents, checkpoint):
     start_step = restore(checkpoint, model, zero, optimizer, rank) if checkpoint else 0
     if rank == 0:
         print(f"world {world_size} = dp {dp} x sp {args.sp} | zero {args.zero} | {n_params / 1e6:.2f}M parameters | "
-              f"seq {args.seq_len} | global batch {dp * args.batch_size * args.grad_accum} sequences | {device} | {args.dtype} | "
-              f"predicted peak {predicted(args, world_size)['peak'] / 2**20:,.2f} MiB per rank")
+              f"seq {args.seq_len} | global batch {dp * args.batch_size * args.grad_accum} sequences | {device} | "
+              f"{args.dtype} | predicted peak {predicted(args, world_size)['peak'] / 2**20:,.2f} MiB per rank")
 
     memory = PeakMemory(model, optimizer, zero, device)
     metrics = open_metrics(args, start_step) if rank == 0 else None
