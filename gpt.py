@@ -147,7 +147,8 @@ class Head(nn.Module):
         self.tiles = cfg.tiles
 
     def logits(self, x, norm_weight, lm_head_weight):
-        return at_least_float32(F.linear(rms_norm(x, norm_weight, self.norm.eps), lm_head_weight))  # float32 logits
+        # bf16 under autocast, widened to float32 for the loss and its logsumexp
+        return at_least_float32(F.linear(rms_norm(x, norm_weight, self.norm.eps), lm_head_weight))
 
     def forward(self, x, labels=None):
         weights = (self.norm.weight, self.lm_head.weight)

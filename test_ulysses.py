@@ -854,34 +854,42 @@ def test_training_with_uneven_heads(kv):
 
 
 def _bf16_rank(rank, world_size, runs):
-    """train.main once per argv. Returns each run's metrics, the (parameter, gradient) dtypes the optimizer's
-    step received, and what the run printed."""
+    """train.main once per argv. Returns each run's metrics, the dtypes the gradients were summed in (ZeRO-3's
+    reduce-scatter) and the (parameter, gradient) dtypes the optimizer's step received, and what it printed."""
     results = []
+    reduce_scatter = zero3.reduce_scatter
     for argv in runs:
         received = set()
         hook = register_optimizer_step_pre_hook(lambda optimizer, args, kwargs: received.update(
             (p.dtype, p.grad.dtype) for group in optimizer.param_groups for p in group["params"]))
+        summed_in = set()
+        zero3.reduce_scatter = lambda output, input, **kwargs: (summed_in.add(input.dtype),
+                                                                reduce_scatter(output, input, **kwargs))[1]
         printed = io.StringIO()
         with contextlib.redirect_stdout(printed):
             history = train.main(argv)
         hook.remove()
-        results.append((history, received, printed.getvalue()))
+        zero3.reduce_scatter = reduce_scatter
+        results.append((history, summed_in, received, printed.getvalue()))
     return results
 
 
 def test_bf16_training_matches_one_device(tmp_path):
     """--dtype bfloat16 on a hybrid model (softmax attention and Gated DeltaNet): dp 2 x sp 2 with ZeRO-3 and sp 4
     with FSDP2 train as one bf16 process does; the all-to-alls send half of float32's bytes, as the formula says;
-    the optimizer gets float32 parameters and gradients; the checkpoint is float32 and resumes in float32.
+    ZeRO-3 sums gradients in float32, and the optimizer gets float32 parameters and gradients; the checkpoint is
+    float32 and resumes in float32.
 
-    The tolerance: bf16 keeps 8 significant bits, so a matmul output is rounded to within 2^-9 of itself. Other
+    The tolerance: bf16 keeps 8 significant bits, so a matmul output is rounded to within 2^-8 of itself. Other
     layouts add up the same float32 numbers in another order before that rounding, and a value near a rounding
-    boundary lands one bf16 step (2^-8) away. A loss averages hundreds of such values and moves far less: we
-    allow 2^-9 of it. A gradient norm follows single gradients more closely: 2^-6. A real mistake (a gradient
-    summed twice, a head on the wrong rank) moves both by tens of percent."""
+    boundary lands one bf16 step (2^-7 relative) away; and ZeRO-3 and FSDP2 round the norm weights, the embedding
+    and Gated DeltaNet's small per-head parameters to bf16 where one process (--zero 0) keeps them float32. A loss
+    averages hundreds of such values and moves far less: we allow 2^-9 of it. A gradient norm follows single
+    gradients more closely: 2^-6. A real mistake (a gradient summed twice, a head on the wrong rank) moves both by
+    tens of percent."""
     argv = TRAIN_ARGS + ["--seq-len", "32", "--layer-pattern", "da", "--steps", "10"]
     bf16, out_dir = argv + ["--dtype", "bfloat16"], str(tmp_path / "one")
-    [(reference, received, _), (resumed, _, printed)] = run_ranks(1, _bf16_rank, [
+    [(reference, _, received, _), (resumed, _, _, printed)] = run_ranks(1, _bf16_rank, [
         bf16 + ["--batch-size", "8", "--out-dir", out_dir],
         argv + ["--batch-size", "8", "--dtype", "float32", "--out-dir", out_dir, "--resume", "--steps", "12"]])[0]
     assert received == {(torch.float32, torch.float32)}
@@ -889,16 +897,18 @@ def test_bf16_training_matches_one_device(tmp_path):
     assert {t.dtype for t in saved.values()} == {torch.float32}
     assert "carried over" in printed and [r["step"] for r in resumed] == [11, 12]
     layouts = {"dp2xsp2 zero3": ["--sp", "2", "--batch-size", "4"], "sp4 fsdp2": ["--sp", "4", "--zero", "fsdp2"]}
-    runs = [bf16 + layout for layout in layouts.values()] + [argv + layouts["dp2xsp2 zero3"] + ["--steps", "1"]]
-    *per_layout, (_, _, printed_float32) = run_ranks(4, _bf16_rank, runs)[0]
+    float32 = argv + layouts["dp2xsp2 zero3"] + ["--steps", "1", "--dtype", "float32"]
+    runs = [bf16 + layout for layout in layouts.values()] + [float32]
+    *per_layout, (_, _, _, printed_float32) = run_ranks(4, _bf16_rank, runs)[0]
     sent = lambda printed: [int(n.replace(",", "")) for n in re.search(
         r"all-to-all of rank 0 per step: ([\d,]+) bytes sent \(formula ([\d,]+) bytes\)", printed).groups()]
-    for name, (history, received, printed) in zip(layouts, per_layout):
+    assert per_layout[0][1] == {torch.float32}  # the dtype of every gradient ZeRO-3 reduce-scattered
+    for name, (history, _, received, printed) in zip(layouts, per_layout):
         assert received == {(torch.float32, torch.float32)}, name
         for key, rtol in (("loss", 2**-9), ("grad_norm", 2**-6)):
             torch.testing.assert_close([r[key] for r in history], [r[key] for r in reference], rtol=rtol, atol=0,
                                        msg=lambda m: f"{name}, {key}: {m}")
-    measured, formula = sent(per_layout[0][2])
+    measured, formula = sent(per_layout[0][3])
     assert measured == formula == sent(printed_float32)[0] // 2
 
 

@@ -446,8 +446,8 @@ def predict_memory(cfg, tokens, sp, world_size, zero, cuda, bf16):
 
     What a layer keeps for backward is counted tensor by tensor, in elements per local token, as autograd saves
     it on CPU in float32 (torch.autograd.graph.saved_tensors_hooks, storages counted once); bf16 takes the same
-    counts at two bytes each. That leaves out what stays float32 in bf16 (the residual stream, the norms), and
-    comes within 7% of the measured peak on CPU all the same (README's bf16 table); no GPU has checked it."""
+    counts at two bytes each, but four for what stays float32 (the residual stream, the norms, Gated DeltaNet's
+    kernel). On CPU that comes out between 2% below and 13% above the measured peak; no GPU has checked it."""
     with torch.device("meta"):
         model = GPT(cfg)
     n_params = sum(p.numel() for p in model.parameters())
@@ -455,8 +455,10 @@ def predict_memory(cfg, tokens, sp, world_size, zero, cuda, bf16):
     e, h, V, H, D = (2 if bf16 else 4), cfg.n_embd, cfg.vocab_size, cfg.n_head, cfg.n_embd // cfg.n_head
     query_heads, kv_heads = ulysses.head_layout(cfg.n_head, cfg.n_kv_head, sp)
     q, kv = (max(map(len, heads)) * sp * D for heads in (query_heads, kv_heads))  # per local token, busiest rank
+    wide = 4 / e  # a float32 number in elements of e bytes: in bf16 the residual stream and the norms stay float32
     mlp = 9 * h if cfg.tiles == 1 else h  # its input, fc output and gelu output; tiled, its input alone
-    norms = 5 * h + 2  # norm1: input, input * rstd, output; norm2: input, input * rstd; one rstd each
+    # norm1: input, input * rstd, output; norm2: input, input * rstd; one rstd each (all float32 but the output)
+    norms = wide * (4 * h + 2) + h
     # softmax attention: the kernel's q, k, v and output, its logsumexp (one a head), and the projection's input,
     # which on one rank is the kernel's output itself, but keeps the whole qkv output alive (v is a view of it)
     # beside the rotated q and k; under SP the all-to-alls make new tensors of them all
@@ -466,19 +468,20 @@ def predict_memory(cfg, tokens, sp, world_size, zero, cuda, bf16):
     # padded q, k, v, five matmul operands, the solve's output (2h), k * decay, u and U (13h); seven C x C
     # matrices a head (the decays, k k^T and its gated forms, the solve's input, q k^T and q k^T * decay); 16
     # numbers a head (gates, norms, decays); the carried state [D, D] a head once a chunk, twice; C + 2 masks
-    # of one byte
+    # of one byte. All but the first 9h are float32 in bf16 too: gated_delta_net runs with autocast off.
     C = 64
-    deltanet = 31 * h + 7 * C * H + 16 * H + 2 * D * D * H / C + (C + 2) / e
+    deltanet = 9 * h + wide * (22 * h + 7 * C * H + 16 * H + 2 * D * D * H / C) + (C + 2) / e
     kept = {"a": norms + attention + mlp, "d": norms + deltanet + mlp}
     layers = [kept[block.kind] for block in model.blocks]
-    blocks = tokens * e * (cfg.n_layer * h if cfg.recompute else sum(layers))  # kept until backward
+    blocks = tokens * e * (cfg.n_layer * h * wide if cfg.recompute else sum(layers))  # kept until backward
     offloaded = blocks if cfg.offload and cuda else 0
     # The head's backward: the final norm's three [h] tensors, then float32 logits, their gradient and the
     # softmax's output, 4 bytes each per vocabulary entry; tiled, its input and one tile's logits and gradient.
-    head = tokens * (3 * h * e + 12 * V if cfg.tiles == 1 else 2 * h * e + 8 * V / cfg.tiles)
-    # A block's backward (after its recomputation, if any) holds about four [h] gradients at once: measured
-    layer = tokens * e * ((max(layers) if cfg.recompute else 0) + 4 * h)
-    activations = blocks - offloaded + tokens * e * 2 * D + max(head, layer)  # + RoPE's cos and sin
+    head = tokens * e * ((2 * wide + 1) * h if cfg.tiles == 1 else (wide + 1) * h) + tokens * V * (
+        12 if cfg.tiles == 1 else 8 / cfg.tiles)
+    # A block's backward (after its recomputation, if any) holds about four float32 [h] gradients at once: measured
+    layer = tokens * e * ((max(layers) if cfg.recompute else 0) + 4 * h * wide)
+    activations = blocks - offloaded + tokens * 4 * 2 * D + max(head, layer)  # + RoPE's float32 cos and sin
     if zero == "0":  # everything on every rank (in bf16 also autocast's bf16 copy of the weights)
         state, local = (16 + (2 if bf16 else 0)) * n_params, n_params
     else:  # float32 shards of params, grads and AdamW's two moments, and two gathered units (compute dtype)

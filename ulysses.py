@@ -204,12 +204,12 @@ def _collective(call, tensors, *args, **kwargs):
     So on CPU we wait here until both counts of each tensor are back, the C++ references and, released a moment
     after them, the Python ones: under a millisecond; after a second we warn and go on. (CUDA backends keep their
     work until the GPU has finished, and tell nobody: nothing to wait for there.)"""
+    if tensors[0].device.type != "cpu":
+        return call(*args, **kwargs)
     before = _holders(tensors)
     call(*args, **kwargs)
-    if tensors[0].device.type != "cpu":
-        return
     deadline = time.monotonic() + 1.0
-    while _holders(tensors) != before:
+    while any(now > then for now, then in zip(_holders(tensors), before)):
         if time.monotonic() > deadline:
             warnings.warn(f"gloo still held the tensors of a {call.__name__} one second after it returned")
             return
@@ -217,9 +217,9 @@ def _collective(call, tensors, *args, **kwargs):
 
 
 def _holders(tensors):
-    """(C++ references, Python references) of each tensor. Counted the same way before and after a call, so the
-    references this function itself makes cancel out."""
-    return [(t._use_count(), sys.getrefcount(t)) for t in tensors]
+    """The C++ and the Python references of each tensor, in one flat list. Counted the same way before and after
+    a call, so the references this function itself makes cancel out."""
+    return [count for t in tensors for count in (t._use_count(), sys.getrefcount(t))]
 
 
 def _narrow(t, dim, part):
