@@ -863,8 +863,11 @@ def _bf16_rank(rank, world_size, runs):
         hook = register_optimizer_step_pre_hook(lambda optimizer, args, kwargs: received.update(
             (p.dtype, p.grad.dtype) for group in optimizer.param_groups for p in group["params"]))
         summed_in = set()
-        zero3.reduce_scatter = lambda output, input, **kwargs: (summed_in.add(input.dtype),
-                                                                reduce_scatter(output, input, **kwargs))[1]
+
+        def recording_reduce_scatter(output, input, **kwargs):
+            summed_in.add(input.dtype)
+            return reduce_scatter(output, input, **kwargs)
+        zero3.reduce_scatter = recording_reduce_scatter
         printed = io.StringIO()
         with contextlib.redirect_stdout(printed):
             history = train.main(argv)

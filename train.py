@@ -605,8 +605,7 @@ def summarize(args, history, model, optimizer, n_params, world_size, device, ran
     peak, params, grads, optim = peaks.tolist()
     sent, mib, seconds = ulysses.all_to_all_stats, lambda b: f"{b / 2**20:,.2f} MiB", sum(r["seconds"] for r in history)
     tokens = args.batch_size * math.ceil(args.seq_len / args.sp)  # this rank's, per micro-step
-    element_bytes = 2 if args.dtype == "bfloat16" else 4
-    per_layer = [block.attn.all_to_all_bytes(tokens, element_bytes) for block in model.blocks]
+    per_layer = [block.attn.all_to_all_bytes(tokens, getattr(torch, args.dtype).itemsize) for block in model.blocks]
     formula = args.grad_accum * sum((2 if args.recompute else 1) * there + back for there, back in per_layer)
     print(f"final: loss {history[-1]['loss']:.4f} | accuracy {history[-1]['accuracy']:.4f}")
     print(f"throughput: {sum(r['tokens'] for r in history) / seconds:,.0f} tokens/s "
