@@ -27,11 +27,13 @@ import torch
 import torch.nn.functional as F
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.distributed.device_mesh import init_device_mesh
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 import bench
 import data
 import gpt
+import ring
 import tiled
 import train
 import ulysses
@@ -365,6 +367,111 @@ def test_a_user_script_exits_cleanly(tmp_path):
                                str(script)], capture_output=True, text=True, timeout=120,
                               env=dict(os.environ, PYTHONWARNINGS="error:::ulysses"))
         assert done.returncode == 0 and "terminate called" not in done.stderr, (run, done.stderr[-2000:])
+
+
+# ================================================================================================================
+# ring.py: ring attention, and Ulysses x Ring (USP). Every test name holds "ring": they run in the second suite.
+
+RING_CASES = [("zigzag", torch.float64, None), ("contiguous", torch.float64, None), ("zigzag", torch.float32, None),
+              ("contiguous", torch.float32, None), ("zigzag", torch.float64, 3)]  # (layout, dtype, window)
+TOLERANCE = {torch.float64: 1e-12, torch.float32: 1e-5}
+
+
+def _full_attention(q, k, v, window, grad_out):
+    """One device: output and dq, dk, dv of causal (or sliding-window) attention over the whole sequence."""
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    out = ulysses.sliding_window_attention(q, k, v, window) if window else ulysses.causal_attention(q, k, v)
+    out.backward(grad_out)
+    return [out.detach(), q.grad, k.grad, v.grad]
+
+
+def _ring_rank(rank, R, cases):
+    results = []
+    for layout, dtype, window in cases:
+        index = ring.token_index(layout, rank, R, 24 // R)
+        q, k, v, grad_out = (t.to(dtype)[:, index].requires_grad_() for t in _qkv(2, 24, 4, 2, 8))
+        ring.reset_ring_stats()
+        out = ring.ring_attention(q, k, v, dist.group.WORLD, layout, window)
+        out.backward(grad_out)
+        results.append(([out.detach(), q.grad, k.grad, v.grad], {d: dict(c) for d, c in ring.ring_stats.items()}))
+    return results
+
+
+@pytest.mark.parametrize("R", [2, 3, 4])
+def test_ring_attention_matches_one_device(R):
+    """Output and dq, dk, dv of ring attention on R ranks against one device: batch 2, GQA (4 query heads, 2 kv
+    heads), zigzag and contiguous layouts, float64 within 1e-12 and float32 within 1e-5, and a sliding window.
+    Each rank sends R-1 key/value blocks forward; backward those again and R dk/dv accumulators in float32. A
+    backward that computed with the wrong block (the first one, say, instead of the one that arrived) fails."""
+    per_rank = run_ranks(R, _ring_rank, RING_CASES)
+    for i, (layout, dtype, window) in enumerate(RING_CASES):
+        q, k, v, grad_out = (t.to(dtype) for t in _qkv(2, 24, 4, 2, 8))
+        want = _full_attention(q, k, v, window, grad_out)
+        got = [torch.zeros_like(t) for t in want]
+        for rank in range(R):
+            index = ring.token_index(layout, rank, R, 24 // R)
+            for full, part in zip(got, per_rank[rank][i][0]):
+                full[:, index] = part
+        tolerance = TOLERANCE[dtype]
+        assert_all_close(got, want, tolerance, tolerance, where=f"R={R} {layout} {dtype} window={window}")
+        kv_bytes = 2 * 2 * (24 // R) * 2 * 8 * dtype.itemsize  # k and v: B * L * Hkv * D elements each
+        dkv_bytes = kv_bytes * 4 // min(4, dtype.itemsize)  # their gradients, in float32 or wider
+        expected = {"forward": {"calls": R - 1, "bytes": (R - 1) * kv_bytes},
+                    "backward": {"calls": 2 * R - 1, "bytes": (R - 1) * kv_bytes + R * dkv_bytes}}
+        assert [r[i][1] for r in per_rank] == [expected] * R
+        assert ring.ring_bytes(R, kv_bytes, dkv_bytes) == (expected["forward"]["bytes"], expected["backward"]["bytes"])
+
+
+def _usp_groups(U, R):
+    """(Ulysses group, ring group) of this rank when the world is an SP group of U x R: U consecutive ranks form
+    a Ulysses group, and the ranks at the same place in each Ulysses group a ring."""
+    mesh = init_device_mesh("cpu", (R, U), mesh_dim_names=("ring", "ulysses"))
+    return mesh.get_group("ulysses"), mesh.get_group("ring")
+
+
+def _usp_rank(rank, P, U, R, cases):
+    ulysses_group, ring_group = _usp_groups(U, R)
+    S = 24
+    index = ulysses.shard_for_sp(*[torch.arange(S)[None]] * 3, ulysses_group, ring_group)[0][0]  # my global tokens
+    results = []
+    for dtype, window in cases:
+        q, k, v, grad_out = (t.to(dtype)[:, index].requires_grad_() for t in _qkv(2, S, 4, 2, 8))
+        attend = partial(ring.ring_attention, group=ring_group, window=window)
+        out = ulysses.ulysses_attention(q, k, v, ulysses_group, attend)
+        out.backward(grad_out)
+        results.append((index, [out.detach(), q.grad, k.grad, v.grad]))
+    return results
+
+
+@pytest.mark.parametrize("U, R", [(2, 2), (2, 3), (4, 1), (1, 4)])
+def test_ring_usp_matches_one_device(U, R):
+    """Ulysses x Ring on U x R ranks (4 query heads, 2 kv heads: with U = 4, kv heads travel to two ranks each)
+    against one device, output and dq, dk, dv: float64 within 1e-12, float32 within 1e-5, and a sliding window.
+    shard_for_sp gives each rank its tokens in the zigzag order, and every token to exactly one rank."""
+    cases = [(torch.float64, None), (torch.float32, None), (torch.float64, 5)]
+    per_rank = run_ranks(U * R, _usp_rank, U, R, cases)
+    assert sorted(torch.cat([r[0][0] for r in per_rank]).tolist()) == list(range(24))
+    for i, (dtype, window) in enumerate(cases):
+        q, k, v, grad_out = (t.to(dtype) for t in _qkv(2, 24, 4, 2, 8))
+        want = _full_attention(q, k, v, window, grad_out)
+        got = [torch.zeros_like(t) for t in want]
+        for index, parts in (r[i] for r in per_rank):
+            for full, part in zip(got, parts):
+                full[:, index] = part
+        tolerance = TOLERANCE[dtype]
+        assert_all_close(got, want, tolerance, tolerance, where=f"U={U} R={R} {dtype} window={window}")
+
+
+def test_ring_work_is_balanced_by_zigzag():
+    """Causal work per rank (query-key pairs computed): zigzag gives every rank the same, a contiguous split
+    gives the last rank R times the first rank's."""
+    for R in (2, 3, 4, 8):
+        L = 4 * R
+        assert len(set(ring.ring_work(R, L, "zigzag"))) == 1, R
+        contiguous = ring.ring_work(R, L, "contiguous")
+        assert contiguous == sorted(contiguous) and contiguous[-1] > contiguous[0], R
+    # zigzag on R ranks: my own block (a causal pair of chunks) and half of each other block
+    assert ring.ring_work(4, 8, "zigzag") == [8 * 8 + 3 * 8 * 4] * 4
 
 
 # ================================================================================================================

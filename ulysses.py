@@ -467,20 +467,31 @@ def gather_sequence(x, group):
 # rules 1, 2 and 4: the batch and the loss
 
 
-def shard_for_sp(input_ids, labels, position_ids, group=None):
+def shard_for_sp(input_ids, labels, position_ids, group=None, ring_group=None):
     """Full sequences [B, S] -> this rank's [B, S_pad/P] input ids, labels and position ids.
 
     labels must already be shifted (labels[:, i] is the token after input_ids[:, i], or -100). Pads at the end
     to a multiple of P (input 0, label -100, positions counting on), so nothing is dropped and causal attention
     keeps every real token from seeing the padding. Position ids are cut like the tokens, never renumbered: rank
     r's first is position_ids[:, r*S_pad/P] (r*S_pad/P itself for one document a row). group=None: one rank.
+
+    With a ring (Ulysses x Ring, ring.py), group is this rank's Ulysses group of U ranks and ring_group its ring
+    of R, P = U x R: S is padded to a multiple of 2P and cut into 2R chunks, ring rank r takes chunks r and
+    2R-1-r (the zigzag order, which balances causal work), and its U Ulysses ranks split those two in order.
     """
-    P, rank = size_and_rank(group)
-    pad = -input_ids.shape[1] % P
+    (U, u), (R, r) = size_and_rank(group), size_and_rank(ring_group)
+    P = U * R
+    pad = -input_ids.shape[1] % (P if R == 1 else 2 * P)
     input_ids, labels = F.pad(input_ids, (0, pad), value=0), F.pad(labels, (0, pad), value=-100)  # (B, S_pad)
     counting_on = position_ids[:, -1:] + torch.arange(1, pad + 1, device=position_ids.device)  # (B, pad)
     position_ids = torch.cat([position_ids, counting_on], dim=1)  # (B, S_pad)
-    return tuple(t.chunk(P, dim=1)[rank] for t in (input_ids, labels, position_ids))  # (B, S_pad/P) each
+    shards = []
+    for t in (input_ids, labels, position_ids):
+        if R > 1:  # ring rank r's two chunks, r and 2R-1-r
+            chunks = t.chunk(2 * R, dim=1)  # (B, S_pad/2R) each
+            t = torch.cat([chunks[r], chunks[2 * R - 1 - r]], dim=1)  # (B, S_pad/R)
+        shards.append(t.chunk(U, dim=1)[u])  # (B, S_pad/P)
+    return tuple(shards)
 
 
 def global_valid_tokens(labels, group=None):

@@ -1,0 +1,247 @@
+"""
+Ring attention: causal attention over a sequence split across the R ranks of a ring, each rank keeping its
+own queries for every head while the keys and values travel. With ulysses.py it becomes Ulysses x Ring (USP),
+sequence parallelism over more ranks than there are heads.
+
+Ulysses hands each rank whole heads, so one sequence can use at most n_head ranks. A ring splits the other
+way. Rank r holds a block of L = S/R tokens with all their heads; at each of R steps it attends its queries to
+the key/value block it holds, while it passes that block on to rank r+1 and receives rank r-1's. After R
+steps every query has met every key, and no rank ever held more than two blocks:
+
+    step         0      1      2             kv_j: the key/value block of rank j (R = 3)
+    rank 0     kv_0   kv_2   kv_1            each step sends the block to the next rank while the
+    rank 1     kv_1   kv_0   kv_2            current one is being computed on
+    rank 2     kv_2   kv_1   kv_0
+
+Softmax over keys seen one block at a time. Attention over one block gives an output normalized over that
+block's keys, o_b, and the log of its normalizer, lse_b = log sum_k exp(score_k). Two such results over
+disjoint keys combine exactly:
+
+    lse = log(exp(lse_a) + exp(lse_b))                 the normalizer over both blocks
+    o   = (exp(lse_a) o_a + exp(lse_b) o_b) / exp(lse)  each output weighted by its share of it
+
+written with sigmoids so that nothing overflows (`merge`), in float32. The first block a rank computes is
+its own, where every query sees at least itself, so no row ever starts from an empty softmax.
+
+Backward is a second ring. The gradient of the keys and values of block j collects a term from every rank's
+queries, so an accumulator for dk_j and dv_j travels with block j: each rank adds its term and passes both on,
+and after R hops the accumulator is back home, complete. dq stays where the queries are.
+
+Causal load balance. With contiguous blocks rank 0's queries see only their own block, and rank R-1's see all
+R. Zigzag instead cuts the sequence into 2R chunks, and rank r holds chunks r and 2R-1-r: one early, one late.
+Then every block from another rank costs half a block of work on every rank (`ring_work` counts it):
+
+    chunks     0  1  2  3  4  5  6  7         R = 4: rank 0 holds chunks 0 and 7, rank 1 holds 1 and 6, ...
+    rank       0  1  2  3  3  2  1  0
+
+USP. An SP group of P = U x R ranks: U consecutive ranks form a Ulysses group, and the R Ulysses groups a
+ring. ulysses_attention(q, k, v, ulysses_group, attn_fn=partial(ring_attention, group=ring_group)) is all it
+takes: the all-to-all gives each rank whole heads of its ring block, the ring runs over the blocks, and the
+all-to-all gives the heads back. ulysses.shard_for_sp lays the tokens out in the zigzag order for it.
+
+This file depends on torch alone: copy it into your own project. `python bench.py ring` measures it.
+"""
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+# what this process has sent around the ring: {"forward"|"backward": {"calls": int, "bytes": int}}
+ring_stats = {"forward": {"calls": 0, "bytes": 0}, "backward": {"calls": 0, "bytes": 0}}
+
+
+def size_and_rank(group):
+    """(R, this process's rank in the ring); (1, 0) for group=None, a ring of one rank."""
+    return (1, 0) if group is None else (dist.get_world_size(group), dist.get_rank(group))
+
+
+def reset_ring_stats():
+    for counts in ring_stats.values():
+        counts["calls"], counts["bytes"] = 0, 0
+
+
+def token_index(layout, rank, R, L):
+    """The positions in the full sequence of the L tokens that ring rank `rank` of R holds, as a CPU tensor:
+    one contiguous block ("contiguous"), or chunks rank and 2R-1-rank of 2R ("zigzag", L even)."""
+    if layout == "contiguous":
+        return torch.arange(rank * L, (rank + 1) * L)  # (L,)
+    C = L // 2  # chunk length
+    return torch.cat([torch.arange(rank * C, (rank + 1) * C), torch.arange((2 * R - 1 - rank) * C, (2 * R - rank) * C)])
+
+
+def visible(q_index, k_index, window=None):
+    """Which keys each query may see: causal, and within the last `window` tokens if given. Cut to the rows
+    (queries) and columns (keys) where anything is visible: (rows, cols, mask) with two slices and a bool mask
+    [rows, cols], or None for the mask when everything in the cut is visible; None when nothing is. The cut is
+    all the work a block needs: with zigzag, a block from an earlier rank is cut to its first chunk, and a
+    block from a later rank to the queries of my second chunk."""
+    seen = k_index[None, :] <= q_index[:, None]  # (Lq, Lk)
+    if window:
+        seen &= q_index[:, None] - k_index[None, :] < window
+    rows, cols = seen.any(1).nonzero().flatten(), seen.any(0).nonzero().flatten()
+    if len(rows) == 0:
+        return None
+    rows, cols = slice(rows[0].item(), rows[-1].item() + 1), slice(cols[0].item(), cols[-1].item() + 1)
+    mask = seen[rows, cols]
+    return rows, cols, None if mask.all() else mask
+
+
+def ring_work(R, L, layout, window=None):
+    """Attention work per rank, in query-key pairs computed, summed over the R steps: what `visible` leaves of
+    each block. A list of R numbers; zigzag makes them equal (for full causal attention)."""
+    work = []
+    for r in range(R):
+        cuts = [visible(token_index(layout, r, R, L), token_index(layout, j, R, L), window) for j in range(R)]
+        work.append(sum((c[0].stop - c[0].start) * (c[1].stop - c[1].start) for c in cuts if c is not None))
+    return work
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# one block: attention of my queries to one key/value block, as flash attention computes it (in float32)
+#
+# Queries are grouped by the kv head they use (grouped-query attention: G = Hq / Hkv query heads per kv head), so
+# a kv head is never copied: q [B, Lq, Hkv, G, D], k and v [B, Lk, Hkv, D].
+
+
+def block_attention(q, k, v, mask):
+    """(output normalized over this block's keys [B, Lq, Hkv, G, D], its log-sum-exp [B, Lq, Hkv, G]). A query
+    that sees no key of the block gets output 0 and lse -inf, which `merge` ignores."""
+    scores = torch.einsum("bqhgd,bkhd->bqhgk", q, k) * q.shape[-1] ** -0.5  # (B, Lq, Hkv, G, Lk)
+    if mask is not None:
+        scores = scores.masked_fill(~mask[:, None, None, :], float("-inf"))
+    lse = scores.logsumexp(-1)  # (B, Lq, Hkv, G): log of the softmax's normalizer over this block
+    p = torch.exp(scores - lse.masked_fill(lse == float("-inf"), 0)[..., None])  # softmax over the block's keys
+    return torch.einsum("bqhgk,bkhd->bqhgd", p, v), lse  # (B, Lq, Hkv, G, D), (B, Lq, Hkv, G)
+
+
+def merge(out, lse, block_out, block_lse):
+    """Fold one block's result into the running one, in place: the exact softmax over the keys of both."""
+    out.sub_(torch.sigmoid(block_lse - lse)[..., None] * (out - block_out))  # o_a + w_b (o_b - o_a), w_b = e^lse_b/e^lse
+    lse.sub_(F.logsigmoid(lse - block_lse))  # log(e^lse_a + e^lse_b) = lse_a - log sigmoid(lse_a - lse_b)
+
+
+def block_gradients(q, k, v, mask, lse, dout, delta):
+    """dq, dk, dv of one block, given the FINAL lse of my queries (so p below is their true attention to this
+    block's keys) and delta = rowsum(dout * out): the softmax's backward, block by block."""
+    scale = q.shape[-1] ** -0.5
+    scores = torch.einsum("bqhgd,bkhd->bqhgk", q, k) * scale  # (B, Lq, Hkv, G, Lk)
+    if mask is not None:
+        scores = scores.masked_fill(~mask[:, None, None, :], float("-inf"))
+    p = torch.exp(scores - lse[..., None])  # (B, Lq, Hkv, G, Lk): attention probabilities
+    dv = torch.einsum("bqhgk,bqhgd->bkhd", p, dout)  # (B, Lk, Hkv, D)
+    dscores = p * (torch.einsum("bqhgd,bkhd->bqhgk", dout, v) - delta[..., None]) * scale  # (B, Lq, Hkv, G, Lk)
+    return torch.einsum("bqhgk,bkhd->bqhgd", dscores, k), torch.einsum("bqhgk,bqhgd->bkhd", dscores, q), dv
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the ring
+
+
+def pass_on(x, group, direction):
+    """Start sending x to the next rank of the ring and receiving the previous rank's tensor of the same shape.
+    Returns (received, works): `received` is filled once every work in `works` has been waited on."""
+    R, r = size_and_rank(group)
+    received = torch.empty_like(x)
+    works = dist.batch_isend_irecv([dist.P2POp(dist.isend, x, group=group, group_peer=(r + 1) % R),
+                                    dist.P2POp(dist.irecv, received, group=group, group_peer=(r - 1) % R)])
+    ring_stats[direction]["calls"] += 1
+    ring_stats[direction]["bytes"] += x.nbytes
+    return received, works
+
+
+def arrived(received, works):
+    for work in works:
+        work.wait()
+    return received
+
+
+def _wide(x):
+    """x in float32 if it is in a 16-bit float (bf16 under autocast), else as it is (float64 stays float64)."""
+    return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, group, layout, window):
+        R, r = size_and_rank(group)
+        B, L, Hq, D = q.shape
+        Hkv = k.shape[2]
+        mine = token_index(layout, r, R, L)
+        with torch.autocast(q.device.type, enabled=False):  # the whole ring in float32 (or float64), whatever autocast
+            grouped_q = _wide(q).reshape(B, L, Hkv, Hq // Hkv, D)  # (B, L, Hkv, G, D)
+            kv = torch.stack([k, v])  # (2, B, L, Hkv, D): one message a step, in the input dtype
+            for step in range(R):  # at step s this rank holds the block of rank r - s
+                if step < R - 1:
+                    incoming = pass_on(kv, group, "forward")  # sent while this block is computed on
+                cut = visible(mine, token_index(layout, (r - step) % R, R, L), window)
+                if cut is not None:
+                    rows, cols, mask = cut
+                    block_k, block_v = _wide(kv[:, :, cols])  # (B, cols, Hkv, D) each
+                    mask = None if mask is None else mask.to(q.device)
+                    block_out, block_lse = block_attention(grouped_q[:, rows], block_k, block_v, mask)
+                    if step == 0:  # my own block: every query sees itself, so every row is filled here
+                        out, lse = block_out, block_lse
+                    else:
+                        merge(out[:, rows], lse[:, rows], block_out, block_lse)
+                if step < R - 1:
+                    kv = arrived(*incoming)
+        out = out.reshape(B, L, Hq, D).to(q.dtype)  # (B, L, Hkv, G, D) -> (B, L, Hq, D)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.group, ctx.layout, ctx.window = group, layout, window
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        group, layout, window = ctx.group, ctx.layout, ctx.window
+        R, r = size_and_rank(group)
+        B, L, Hq, D = q.shape
+        Hkv = k.shape[2]
+        mine = token_index(layout, r, R, L)
+        with torch.autocast(q.device.type, enabled=False):
+            grouped_q, dout = (_wide(t).reshape(B, L, Hkv, Hq // Hkv, D) for t in (q, dout))  # (B, L, Hkv, G, D)
+            delta = (dout * _wide(out).view_as(dout)).sum(-1)  # (B, L, Hkv, G)
+            dq = torch.zeros_like(grouped_q)
+            kv = torch.stack([k, v])  # (2, B, L, Hkv, D)
+            for step in range(R):
+                if step < R - 1:
+                    incoming = pass_on(kv, group, "backward")
+                dkv = grouped_q.new_zeros(2, B, L, Hkv, D)  # this step's share of the block's dk and dv, a new buffer
+                cut = visible(mine, token_index(layout, (r - step) % R, R, L), window)
+                if cut is not None:
+                    rows, cols, mask = cut
+                    block_k, block_v = _wide(kv[:, :, cols])
+                    mask = None if mask is None else mask.to(q.device)
+                    block_dq, block_dk, block_dv = block_gradients(grouped_q[:, rows], block_k, block_v, mask,
+                                                                   lse[:, rows], dout[:, rows], delta[:, rows])
+                    dq[:, rows] += block_dq
+                    dkv[0, :, cols] += block_dk
+                    dkv[1, :, cols] += block_dv
+                if step > 0:  # what the ranks before me added to this block's accumulator
+                    dkv += arrived(*accumulator)
+                # on towards the block's home, where it arrives after step R-1 (a ring of one rank: home already)
+                accumulator = pass_on(dkv, group, "backward") if R > 1 else (dkv, [])
+                if step < R - 1:
+                    kv = arrived(*incoming)
+            dk, dv = arrived(*accumulator)  # my own block's, with every rank's term
+        return dq.reshape(B, L, Hq, D).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
+
+
+def ring_attention(q, k, v, group=None, layout="zigzag", window=None):
+    """Causal attention over a sequence whose tokens are split over the R ranks of `group`.
+
+    q [B, L, Hq, D], k and v [B, L, Hkv, D] with Hq a multiple of Hkv: this rank's L tokens, laid out as
+    `layout` says ("zigzag": chunks r and 2R-1-r of 2R; "contiguous": tokens [r*L, (r+1)*L)). Returns
+    [B, L, Hq, D]. window: sliding-window attention over the last `window` tokens. Differentiable; forward and
+    backward each move R-1 key/value blocks per rank, backward also R dk/dv blocks (in float32).
+    group=None or a group of one rank: attention over this rank's tokens alone.
+    """
+    if layout not in ("zigzag", "contiguous"):
+        raise ValueError(f"layout={layout!r}; choose 'zigzag' or 'contiguous'")
+    return _RingAttention.apply(q, k, v, group, layout if size_and_rank(group)[0] > 1 else "contiguous", window)
+
+
+def ring_bytes(R, kv_bytes, dkv_bytes):
+    """(forward, backward) bytes one rank sends per ring_attention call: R-1 key/value blocks of kv_bytes each
+    forward; backward the same again plus R accumulators of dkv_bytes (dk and dv in float32)."""
+    return (R - 1) * kv_bytes, (R - 1) * kv_bytes + R * dkv_bytes
