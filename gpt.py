@@ -22,10 +22,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 import torch.utils.checkpoint
 
+from ring import ring_attention, ring_bytes
 from tiled import at_least_float32, tiled_lm_loss, tiled_mlp
 from ulysses import (all_to_all_bytes, causal_attention, check_shards, document_attention, document_bounds,
-                     gather_sequence, head_layout, heads_to_seq, sliding_window_attention, seq_to_heads, size_and_rank,
-                     ulysses_attention)
+                     gather_sequence, head_layout, heads_to_seq, kernel_kv_heads, sliding_window_attention, seq_to_heads,
+                     size_and_rank, ulysses_attention)
 
 
 @dataclass
@@ -95,6 +96,14 @@ class Attention(nn.Module):
         (q_there, q_back), (kv_there, kv_back) = (all_to_all_bytes(h, rank, per_head) for h in (query_heads, kv_heads))
         return q_there + 2 * kv_there + q_back, q_there + q_back + 2 * kv_back
 
+    def ring_bytes(self, tokens, element_bytes, R):
+        """(forward, backward) bytes this rank sends around a ring of R per call (ring.ring_bytes): the key/value
+        block of the kv heads its kernel gets, for all U * tokens tokens of its Ulysses group."""
+        U, rank = size_and_rank(self.sp_group)
+        kv = len(kernel_kv_heads(self.n_head, self.n_kv_head, U, rank))
+        block = 2 * tokens * U * kv * self.head_dim  # k and v, elements
+        return ring_bytes(R, block * element_bytes, block * max(4, element_bytes))
+
 
 def mlp(x, fc_weight, proj_weight):
     return F.linear(F.gelu(F.linear(x, fc_weight)), proj_weight)  # (B, s, h) -> (B, s, 4h) -> (B, s, h)
@@ -163,8 +172,15 @@ class Head(nn.Module):
 
 
 class GPT(nn.Module):
-    def __init__(self, cfg, sp_group=None):
+    """sp_group: the Ulysses group whose all-to-alls carry attention; ring_group (Ulysses x Ring): the ring over
+    which softmax attention then runs (ring.py). None: no such group."""
+
+    def __init__(self, cfg, sp_group=None, ring_group=None):
         super().__init__()
+        self.ring_group = ring_group if size_and_rank(ring_group)[0] > 1 else None
+        if self.ring_group and "d" in cfg.layer_pattern:
+            raise ValueError("Gated DeltaNet layers carry a state through the tokens in order, which a ring does not "
+                             "see; use layer_pattern 'a' with a ring, or no ring")
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.n_embd)
         self.blocks = nn.ModuleList(Block(cfg, sp_group, cfg.layer_pattern[i % len(cfg.layer_pattern)])
@@ -183,11 +199,15 @@ class GPT(nn.Module):
     def forward(self, idx, position_ids, labels=None, packed=False):
         """idx, position_ids, labels: [B, S_local], this rank's tokens. position_ids are positions in the full
         sequence, or, with packed=True, in each document (0 where a document starts, and only there)."""
-        check_shards(idx, self.sp_group)  # one tiny collective, before the first all-to-all could abort on a mismatch
+        for group in (self.sp_group, self.ring_group):  # one tiny collective each, before a mismatch could hang
+            check_shards(idx, group)
+        if packed and self.ring_group:
+            raise ValueError("packed documents are not supported with a ring: use one document a row")
         window = self.cfg.window
         # the kernels run on the full sequence, so with packing they need the document starts of the full sequence
         full_positions = gather_sequence(position_ids, self.sp_group) if packed else None
         attend = {"a": partial(document_attention, position_ids=full_positions, window=window) if packed else
+                  partial(ring_attention, group=self.ring_group, window=window or None) if self.ring_group else
                   partial(sliding_window_attention, window=window) if window else causal_attention,
                   "d": partial(gated_delta_net, starts=full_positions == 0 if packed else None)}
         x = at_least_float32(self.embed(idx))  # (B, S_local, h); the residual stream stays float32 under bf16

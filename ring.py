@@ -100,18 +100,33 @@ def ring_work(R, L, layout, window=None):
 # one block: attention of my queries to one key/value block, as flash attention computes it (in float32)
 #
 # Queries are grouped by the kv head they use (grouped-query attention: G = Hq / Hkv query heads per kv head), so
-# a kv head is never copied: q [B, Lq, Hkv, G, D], k and v [B, Lk, Hkv, D].
+# a kv head is never copied: q [B, Lq, Hkv, G, D], k and v [B, Lk, Hkv, D]. The queries go QUERY_TILE at a time,
+# so the scores in memory are [B, QUERY_TILE, Hq, Lk], never [B, Lq, Hq, Lk]: memory grows as S/R, not (S/R)^2.
+
+QUERY_TILE = 512
+
+
+def _scores(q, k, mask):
+    """Scaled scores of queries q against keys k, -inf where the mask hides a key: [B, Lq, Hkv, G, Lk]."""
+    scores = torch.einsum("bqhgd,bkhd->bqhgk", q, k).mul_(q.shape[-1] ** -0.5)  # (B, Lq, Hkv, G, Lk)
+    return scores if mask is None else scores.masked_fill_(~mask[:, None, None, :], float("-inf"))
+
+
+def _query_tiles(q):
+    return [slice(i, i + QUERY_TILE) for i in range(0, q.shape[1], QUERY_TILE)]
 
 
 def block_attention(q, k, v, mask):
     """(output normalized over this block's keys [B, Lq, Hkv, G, D], its log-sum-exp [B, Lq, Hkv, G]). A query
     that sees no key of the block gets output 0 and lse -inf, which `merge` ignores."""
-    scores = torch.einsum("bqhgd,bkhd->bqhgk", q, k) * q.shape[-1] ** -0.5  # (B, Lq, Hkv, G, Lk)
-    if mask is not None:
-        scores = scores.masked_fill(~mask[:, None, None, :], float("-inf"))
-    lse = scores.logsumexp(-1)  # (B, Lq, Hkv, G): log of the softmax's normalizer over this block
-    p = torch.exp(scores - lse.masked_fill(lse == float("-inf"), 0)[..., None])  # softmax over the block's keys
-    return torch.einsum("bqhgk,bkhd->bqhgd", p, v), lse  # (B, Lq, Hkv, G, D), (B, Lq, Hkv, G)
+    out, lse = [], []
+    for tile in _query_tiles(q):
+        scores = _scores(q[:, tile], k, None if mask is None else mask[tile])  # (B, T, Hkv, G, Lk)
+        tile_lse = scores.logsumexp(-1)  # (B, T, Hkv, G): log of the softmax's normalizer over this block
+        p = scores.sub_(tile_lse.masked_fill(tile_lse == float("-inf"), 0)[..., None]).exp_()  # softmax, in place
+        out.append(torch.einsum("bqhgk,bkhd->bqhgd", p, v))  # (B, T, Hkv, G, D)
+        lse.append(tile_lse)
+    return torch.cat(out, 1), torch.cat(lse, 1)  # (B, Lq, Hkv, G, D), (B, Lq, Hkv, G)
 
 
 def merge(out, lse, block_out, block_lse):
@@ -123,14 +138,15 @@ def merge(out, lse, block_out, block_lse):
 def block_gradients(q, k, v, mask, lse, dout, delta):
     """dq, dk, dv of one block, given the FINAL lse of my queries (so p below is their true attention to this
     block's keys) and delta = rowsum(dout * out): the softmax's backward, block by block."""
-    scale = q.shape[-1] ** -0.5
-    scores = torch.einsum("bqhgd,bkhd->bqhgk", q, k) * scale  # (B, Lq, Hkv, G, Lk)
-    if mask is not None:
-        scores = scores.masked_fill(~mask[:, None, None, :], float("-inf"))
-    p = torch.exp(scores - lse[..., None])  # (B, Lq, Hkv, G, Lk): attention probabilities
-    dv = torch.einsum("bqhgk,bqhgd->bkhd", p, dout)  # (B, Lk, Hkv, D)
-    dscores = p * (torch.einsum("bqhgd,bkhd->bqhgk", dout, v) - delta[..., None]) * scale  # (B, Lq, Hkv, G, Lk)
-    return torch.einsum("bqhgk,bkhd->bqhgd", dscores, k), torch.einsum("bqhgk,bqhgd->bkhd", dscores, q), dv
+    dq, dk, dv = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    for tile in _query_tiles(q):
+        p = _scores(q[:, tile], k, None if mask is None else mask[tile]).sub_(lse[:, tile, ..., None]).exp_()
+        dv += torch.einsum("bqhgk,bqhgd->bkhd", p, dout[:, tile])  # (B, Lk, Hkv, D)
+        dp = torch.einsum("bqhgd,bkhd->bqhgk", dout[:, tile], v)  # (B, T, Hkv, G, Lk)
+        dscores = dp.sub_(delta[:, tile, ..., None]).mul_(p).mul_(q.shape[-1] ** -0.5)  # through softmax and scale
+        dq[:, tile] = torch.einsum("bqhgk,bkhd->bqhgd", dscores, k)
+        dk += torch.einsum("bqhgk,bqhgd->bkhd", dscores, q[:, tile])
+    return dq, dk, dv
 
 
 # ----------------------------------------------------------------------------------------------------------------

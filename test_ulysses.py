@@ -386,6 +386,7 @@ def _full_attention(q, k, v, window, grad_out):
 
 
 def _ring_rank(rank, R, cases):
+    ring.QUERY_TILE = 5  # several query tiles a block
     results = []
     for layout, dtype, window in cases:
         index = ring.token_index(layout, rank, R, 24 // R)
@@ -430,6 +431,7 @@ def _usp_groups(U, R):
 
 
 def _usp_rank(rank, P, U, R, cases):
+    ring.QUERY_TILE = 5  # several query tiles a block
     ulysses_group, ring_group = _usp_groups(U, R)
     S = 24
     index = ulysses.shard_for_sp(*[torch.arange(S)[None]] * 3, ulysses_group, ring_group)[0][0]  # my global tokens
@@ -950,6 +952,24 @@ def test_training_is_the_same_for_every_layout(extra, tmp_path):
         assert_all_close(model, reference_model, rtol=0, atol=1e-5, where=name)
 
 
+@pytest.mark.parametrize("world_size, layout, model", [
+    (8, ["--sp", "4", "--ring", "2", "--batch-size", "4"], ["--n-kv-head", "2"]),  # ZeRO-3, the default
+    (4, ["--sp", "4", "--ring", "2", "--batch-size", "8", "--zero", "fsdp2"], ["--n-head", "2", "--n-embd", "16"]),
+    (4, ["--sp", "4", "--ring", "4", "--batch-size", "8", "--zero", "0"], ["--window", "20"]),
+], ids=["dp2xulysses2xring2-zero3-kv2", "ulysses2xring2-nhead2-fsdp2", "ring4-zero0-window"])
+def test_ring_training_matches_one_device(world_size, layout, model, tmp_path):
+    """Ulysses x Ring training equals one process step by step (losses, gradient norms, final weights within 1e-5
+    over 20 steps), with padding (101 tokens into 2 x sp chunks): dp 2 x Ulysses 2 x ring 2 with ZeRO-3 and GQA;
+    more SP ranks than heads (n_head 2, sp 4 = Ulysses 2 x ring 2) with FSDP2; a ring of 4 with a sliding window."""
+    extra = TRAIN_ARGS + ["--seq-len", "101"] + model
+    one_process = ["--sp", "1", "--batch-size", "8"] + extra
+    [(reference, reference_model)] = run_ranks(1, _train_rank, [(one_process, str(tmp_path / "one"))])[0]
+    per_rank = run_ranks(world_size, _train_rank, [(layout + extra, str(tmp_path / "ring"))])
+    history, trained = per_rank[0][0]
+    _assert_same_training(history, reference, " ".join(layout))
+    assert_all_close(trained, reference_model, rtol=0, atol=1e-5, where=" ".join(layout))
+
+
 @pytest.mark.parametrize("kv", ["6", "2"])
 def test_training_with_uneven_heads(kv):
     """6 heads on sp 4 (ranks hold 2, 2, 1, 1; with 2 kv heads, kv head 0 goes to ranks 0 and 1): the same
@@ -1156,8 +1176,12 @@ def test_resume_on_any_layout(tmp_path, capsys):
 
 @pytest.mark.parametrize("world_size, argv, message", [
     (4, ["--sp", "3"], r"--sp 3 does not divide the world size 4; choose --sp in \{1, 2, 4\}"),
-    (4, ["--n-head", "2", "--n-embd", "32"], r"sp=4 is larger than n_head=2: a rank would hold no head; "
-                                             r"choose sp in \{1, 2\}"),
+    (4, ["--n-head", "2", "--n-embd", "32"], r"--sp 4 with --ring 1 puts 4 ranks in each Ulysses group, more than "
+                                             r"--n-head 2: a rank would hold no head; choose --ring in \{2, 4\}"),
+    (4, ["--ring", "3"], r"--ring 3 does not divide --sp 4; choose --ring in \{1, 2, 4\}"),
+    (4, ["--ring", "2", "--layer-pattern", "da"], r"--ring 2 cannot be used with Gated DeltaNet layers \(d in "
+                                                  r"--layer-pattern\): their recurrence needs the tokens in order"),
+    (4, ["--ring", "2", "--pack"], r"--ring 2 cannot be used with --pack: the ring attends one document a row"),
     (4, ["--n-head", "8", "--n-kv-head", "6"], r"n_head=8 is not a multiple of n_kv_head=6"),
     (1, ["--metrics", "/no/such/dir/metrics.jsonl"], r"--metrics: cannot write into /no/such/dir"),
     (4, ["--seq-len", "3"], r"--seq-len 3 is smaller than --sp 4"),

@@ -48,6 +48,7 @@ from torch.nn.modules.module import register_module_forward_pre_hook
 from tqdm import tqdm
 
 import data
+import ring
 import ulysses
 from gpt import GPT, GPTConfig
 from zero3 import ZeRO3, fsdp2_shard, load_whole_state, whole_state
@@ -58,6 +59,8 @@ MODEL_FIELDS = ("n_layer", "n_head", "n_kv_head", "n_embd", "window", "layer_pat
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description="Ulysses sequence-parallel GPT training", allow_abbrev=False)
     p.add_argument("--sp", type=int, help="sequence-parallel size (default: every rank); dp = world size / sp")
+    p.add_argument("--ring", type=int, default=1, help="ring degree R: each SP group of --sp ranks is a ring of R "
+                   "Ulysses groups of sp/R ranks (Ulysses x Ring, ring.py); 1: Ulysses alone")
     p.add_argument("--seq-len", type=int, default=128, help="tokens per sequence, before padding to a multiple of sp")
     p.add_argument("--batch-size", type=int, default=8, help="sequences per DP rank per micro-step")
     p.add_argument("--grad-accum", type=int, default=1, help="micro-steps per optimizer step")
@@ -141,16 +144,19 @@ def setup(args, world_size):
                                     device_id=device if device.type == "cuda" else None)
         else:  # plain `python train.py`: a group of one
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
-    mesh = init_device_mesh(device.type, (world_size // args.sp, args.sp), mesh_dim_names=("dp", "sp"))
-    return device, mesh  # mesh ranks = arange(world).view(dp, sp): an SP group is sp consecutive ranks
+    mesh = init_device_mesh(device.type, (world_size // args.sp, args.ring, args.sp // args.ring),
+                            mesh_dim_names=("dp", "ring", "ulysses"))
+    # mesh ranks = arange(world).view(dp, ring, ulysses): an SP group is sp consecutive ranks, a Ulysses group
+    # sp/ring consecutive ranks (the fastest links), and a ring the ranks at the same place in each Ulysses group
+    return device, mesh
 
 
 def train(args, world_size, mesh, device, documents, checkpoint):
-    dp, sp_group = world_size // args.sp, mesh.get_group("sp")
+    dp, sp_groups = world_size // args.sp, (mesh.get_group("ulysses"), mesh.get_group("ring"))
     rank, dp_rank = dist.get_rank(), mesh.get_local_rank("dp")
 
     torch.manual_seed(args.seed)  # every rank builds the same initial model
-    model = GPT(model_config(args), sp_group=sp_group).to(device)
+    model = GPT(model_config(args), *sp_groups).to(device)
     if args.compile:  # each block's forward on its own, as torchtitan does; hooks (ZeRO-3's gathers) stay eager
         for block in model.blocks:
             block.forward = torch.compile(block.forward)
@@ -165,7 +171,8 @@ def train(args, world_size, mesh, device, documents, checkpoint):
                                   weight_decay=args.weight_decay)
     start_step = restore(checkpoint, model, zero, optimizer, rank) if checkpoint else 0
     if rank == 0:
-        print(f"world {world_size} = dp {dp} x sp {args.sp} | zero {args.zero} | {n_params / 1e6:.2f}M parameters | "
+        usp = f" (ulysses {args.sp // args.ring} x ring {args.ring})" if args.ring > 1 else ""
+        print(f"world {world_size} = dp {dp} x sp {args.sp}{usp} | zero {args.zero} | {n_params / 1e6:.2f}M parameters | "
               f"seq {args.seq_len} | global batch {dp * args.batch_size * args.grad_accum} sequences | {device} | "
               f"{args.dtype} | predicted peak {predicted(args, world_size)['peak'] / 2**20:,.2f} MiB per rank")
 
@@ -173,13 +180,14 @@ def train(args, world_size, mesh, device, documents, checkpoint):
     metrics = open_metrics(args, start_step) if rank == 0 else None
     history = []
     ulysses.reset_all_to_all_stats()
+    ring.reset_ring_stats()
     bar = tqdm(range(start_step, args.steps), disable=rank != 0, dynamic_ncols=True, initial=start_step,
                total=args.steps)
     step = start_step
     try:
         for step in bar:
             t0 = time.perf_counter()
-            micro_batches = [load_micro_batch(args, documents, step, micro, dp, dp_rank, sp_group, device)
+            micro_batches = [load_micro_batch(args, documents, step, micro, dp, dp_rank, sp_groups, device)
                              for micro in range(args.grad_accum)]
             with memory.measure(step == args.steps - 1):  # every step is alike: the last one is measured
                 loss, accuracy, grad_norm, lr = train_step(step, micro_batches, model, zero, optimizer, args)
@@ -251,13 +259,21 @@ def lr_at(step, args):
     return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-def load_micro_batch(args, documents, step, micro, dp, dp_rank, sp_group, device):
+def load_micro_batch(args, documents, step, micro, dp, dp_rank, sp_groups, device):
     """Steps 1-3: this DP rank's full sequences of one micro-step (labels shifted by data.make_sample), then this
-    SP rank's shard of them: input ids, labels and global position ids, [batch_size, S_pad/sp] each."""
+    SP rank's shard of them: input ids, labels and global position ids, [batch_size, S_pad/sp] each (with a ring,
+    in the zigzag order). sp_groups: (Ulysses group, ring group)."""
     indices = data.micro_batch_indices(step, micro, args.grad_accum, dp_rank, dp, args.batch_size)
     samples = [data.make_sample(i, args.seq_len, documents, args.pack, args.seed) for i in indices]
     full = [torch.stack(column) for column in zip(*samples)]  # inputs, labels, position_ids: (B, S) each
-    return [t.to(device) for t in ulysses.shard_for_sp(*full, sp_group)]  # (B, S_pad/sp) each
+    return [t.to(device) for t in ulysses.shard_for_sp(*full, *sp_groups)]  # (B, S_pad/sp) each
+
+
+def local_tokens(args):
+    """This rank's tokens per micro-step: batch_size * S_pad/sp, S padded to a multiple of sp (of 2 sp with a ring,
+    whose zigzag order cuts it into 2 x ring chunks)."""
+    multiple = args.sp * (2 if args.ring > 1 else 1)
+    return args.batch_size * math.ceil(args.seq_len / multiple) * multiple // args.sp
 
 
 def model_config(args):
@@ -395,9 +411,23 @@ def check_args(args, world_size):
         fail(f"--sp {args.sp} does not divide the world size {world_size}; choose --sp in {{{choices}}}")
     if args.seq_len < args.sp:
         fail(f"--seq-len {args.seq_len} is smaller than --sp {args.sp}: every rank needs at least one token")
+    if args.ring < 1 or args.sp % args.ring:
+        choices = ", ".join(str(r) for r in range(1, args.sp + 1) if args.sp % r == 0)
+        fail(f"--ring {args.ring} does not divide --sp {args.sp}; choose --ring in {{{choices}}}")
+    if args.ring > 1:
+        for flag, used, why in (("--pack", args.pack, "the ring attends one document a row"),
+                                ("--compile", args.compile, "the ring's sends are not traced"),
+                                ("Gated DeltaNet layers (d in --layer-pattern)", "d" in args.layer_pattern,
+                                 "their recurrence needs the tokens in order")):
+            if used:
+                fail(f"--ring {args.ring} cannot be used with {flag}: {why}; use --ring 1")
+    if args.sp // args.ring > args.n_head:  # a Ulysses rank would hold no head
+        rings = [r for r in range(1, args.sp + 1) if args.sp % r == 0 and args.sp // r <= args.n_head]
+        fail(f"--sp {args.sp} with --ring {args.ring} puts {args.sp // args.ring} ranks in each Ulysses group, more than "
+             f"--n-head {args.n_head}: a rank would hold no head; choose --ring in {{{', '.join(map(str, rings))}}}")
     try:
         model_config(args)
-        ulysses.head_layout(args.n_head, args.n_kv_head, args.sp)
+        ulysses.head_layout(args.n_head, args.n_kv_head, args.sp // args.ring)
     except ValueError as e:
         fail(e)
     if args.offload and not args.recompute:
@@ -437,11 +467,12 @@ def collective_failure(error, rank, step, args):
 # memory: predicted before the run (and refused if it cannot fit), measured during its last step
 
 
-def predict_memory(cfg, tokens, sp, world_size, zero, cuda, bf16):
+def predict_memory(cfg, tokens, batch, sp, ring_size, world_size, zero, cuda, bf16):
     """This rank's peak tensor memory in one training step of GPT(cfg), in bytes, before anything is allocated:
     {"peak", "state", "activations", "adamw" (the optimizer step's temporaries), "offloaded" (kept in CPU memory
     by cfg.offload)}, peak = state + the larger of activations and adamw. tokens: this rank's per
-    micro-step (B * S/sp); zero: "0", "3" or "fsdp2" over world_size ranks. The model is built on the meta
+    micro-step (batch * S/sp); ring_size: the ring degree R (1: Ulysses alone over sp ranks); zero: "0", "3" or
+    "fsdp2" over world_size ranks. The model is built on the meta
     device: shapes, no memory. `python bench.py memory` sets the prediction beside the measured peak.
 
     What a layer keeps for backward is counted tensor by tensor, in elements per local token, as autograd saves
@@ -453,16 +484,21 @@ def predict_memory(cfg, tokens, sp, world_size, zero, cuda, bf16):
     n_params = sum(p.numel() for p in model.parameters())
     unit = max(sum(p.numel() for p in u.parameters()) for u in model.units())  # the largest one ZeRO-3 gathers
     e, h, V, H, D = (2 if bf16 else 4), cfg.n_embd, cfg.vocab_size, cfg.n_head, cfg.n_embd // cfg.n_head
-    query_heads, kv_heads = ulysses.head_layout(cfg.n_head, cfg.n_kv_head, sp)
-    q, kv = (max(map(len, heads)) * sp * D for heads in (query_heads, kv_heads))  # per local token, busiest rank
+    U = sp // ring_size  # Ulysses ranks: the attention kernel sees U * tokens tokens of its heads
+    kernel_kv = max(len(ulysses.kernel_kv_heads(H, cfg.n_kv_head, U, r)) for r in range(U))  # kv heads, expanded
+    q, kv = (n * U * D for n in (max(map(len, ulysses.head_layout(H, cfg.n_kv_head, U)[0])), kernel_kv))  # a token
     wide = 4 / e  # a float32 number in elements of e bytes: in bf16 the residual stream and the norms stay float32
     mlp = 9 * h if cfg.tiles == 1 else h  # its input, fc output and gelu output; tiled, its input alone
     # norm1: input, input * rstd, output; norm2: input, input * rstd; one rstd each (all float32 but the output)
     norms = wide * (4 * h + 2) + h
     # softmax attention: the kernel's q, k, v and output, its logsumexp (one a head), and the projection's input,
-    # which on one rank is the kernel's output itself, but keeps the whole qkv output alive (v is a view of it)
-    # beside the rotated q and k; under SP the all-to-alls make new tensors of them all
-    attention = (q + 2 * kv) + q + H + (q + kv if sp == 1 else h)
+    # which without all-to-alls is the kernel's output itself, but keeps the whole qkv output alive (v is a view of
+    # it) beside the rotated q and k; the all-to-alls make new tensors of them all
+    attention = (q + 2 * kv) + q + H + (q + kv if U == 1 else h)
+    # a ring's backward holds, for one query tile at a time, its float32 probabilities and their gradient against
+    # a key block, and the key/value block, the one arriving, and two float32 dk/dv accumulators
+    tile = min(ring.QUERY_TILE, tokens // batch * U)  # queries: a tile, or the kernel's whole sequence
+    ring_backward = 8 * tile * q / D + 2 * kv * (2 * e + 8) if ring_size > 1 else 0
     # Gated DeltaNet (chunks of C = 64 tokens): the in_proj output (z is a view of it), o, o * rstd, norm(o),
     # silu(z) and the projection's input (9h); the conv's padded input, output and silu (9h); the chunked kernel's
     # padded q, k, v, five matmul operands, the solve's output (2h), k * decay, u and U (13h); seven C x C
@@ -480,7 +516,7 @@ def predict_memory(cfg, tokens, sp, world_size, zero, cuda, bf16):
     head = tokens * e * ((2 * wide + 1) * h if cfg.tiles == 1 else (wide + 1) * h) + tokens * V * (
         12 if cfg.tiles == 1 else 8 / cfg.tiles)
     # A block's backward (after its recomputation, if any) holds about four float32 [h] gradients at once: measured
-    layer = tokens * e * ((max(layers) if cfg.recompute else 0) + 4 * h * wide)
+    layer = tokens * e * ((max(layers) if cfg.recompute else 0) + 4 * h * wide) + tokens * ring_backward
     activations = blocks - offloaded + tokens * 4 * 2 * D + max(head, layer)  # + RoPE's float32 cos and sin
     if zero == "0":  # everything on every rank (in bf16 also autocast's bf16 copy of the weights)
         state, local = (16 + (2 if bf16 else 0)) * n_params, n_params
@@ -494,8 +530,7 @@ def predict_memory(cfg, tokens, sp, world_size, zero, cuda, bf16):
 def predicted(args, world_size, cuda=None, **changed):
     """predict_memory for a run with these flags (some of them changed)."""
     args = argparse.Namespace(**{**vars(args), **changed})
-    tokens = args.batch_size * math.ceil(args.seq_len / args.sp)  # this rank's, per micro-step
-    return predict_memory(model_config(args), tokens, args.sp, world_size, args.zero,
+    return predict_memory(model_config(args), local_tokens(args), args.batch_size, args.sp, args.ring, world_size, args.zero,
                           args.device == "cuda" if cuda is None else cuda, args.dtype == "bfloat16")
 
 
@@ -515,7 +550,7 @@ def memory_verdict(args, world_size, memory, cuda):
               if any(getattr(args, k) != v for k, v in change.items())]  # those that change something
     m, gib = predicted(args, world_size, cuda), lambda b: f"{b / 2**30:,.1f} GiB"
     return m["peak"] <= memory, (
-        f"{gib(m['peak'])} per rank for {math.ceil(args.seq_len / args.sp):,} tokens a rank (model state "
+        f"{gib(m['peak'])} per rank for {local_tokens(args) // args.batch_size:,} tokens a rank (model state "
         f"{gib(m['state'])} + the larger of activations {gib(m['activations'])} and AdamW's step temporaries "
         f"{gib(m['adamw'])}; {gib(m['offloaded'])} more in CPU memory), against "
         f"{gib(memory)}; {f'about {longest:,} tokens would fit' if longest else 'no sequence fits'}; "
@@ -604,9 +639,10 @@ def summarize(args, history, model, optimizer, n_params, world_size, device, ran
         return
     peak, params, grads, optim = peaks.tolist()
     sent, mib, seconds = ulysses.all_to_all_stats, lambda b: f"{b / 2**20:,.2f} MiB", sum(r["seconds"] for r in history)
-    tokens = args.batch_size * math.ceil(args.seq_len / args.sp)  # this rank's, per micro-step
-    per_layer = [block.attn.all_to_all_bytes(tokens, getattr(torch, args.dtype).itemsize) for block in model.blocks]
-    formula = args.grad_accum * sum((2 if args.recompute else 1) * there + back for there, back in per_layer)
+    tokens, element_bytes = local_tokens(args), getattr(torch, args.dtype).itemsize
+    count = lambda per_layer: args.grad_accum * sum((2 if args.recompute else 1) * there + back
+                                                    for there, back in per_layer)  # forward twice with --recompute
+    formula = count(block.attn.all_to_all_bytes(tokens, element_bytes) for block in model.blocks)
     print(f"final: loss {history[-1]['loss']:.4f} | accuracy {history[-1]['accuracy']:.4f}")
     print(f"throughput: {sum(r['tokens'] for r in history) / seconds:,.0f} tokens/s "
           f"({world_size} ranks, {seconds:.1f} s)")
@@ -617,12 +653,17 @@ def summarize(args, history, model, optimizer, n_params, world_size, device, ran
     print(f"peak tensor memory per rank (max over ranks, {how}): {mib(peak)} (predicted "
           f"{mib(predicted(args, world_size)['peak'])})")
     calls = lambda direction: sent[direction]["calls"] / (len(history) * args.grad_accum * args.n_layer)
-    measured = (sent["forward"]["bytes"] + sent["backward"]["bytes"]) / len(history)
-    print(f"all-to-all of rank 0 per step: {measured:,.0f} bytes sent (formula {formula:,} bytes); calls per layer "
+    measured = lambda: (sent["forward"]["bytes"] + sent["backward"]["bytes"]) / len(history)
+    print(f"all-to-all of rank 0 per step: {measured():,.0f} bytes sent (formula {formula:,} bytes); calls per layer "
           f"per micro-step: {calls('forward'):g} forward, {calls('backward'):g} backward")
-    heads = [len(r) for r in ulysses.head_layout(args.n_head, args.n_kv_head, args.sp)[0]]
+    if args.ring > 1:
+        sent = ring.ring_stats  # what calls() and measured() read from here on
+        formula = count(block.attn.ring_bytes(tokens, element_bytes, args.ring) for block in model.blocks)
+        print(f"ring of rank 0 per step: {measured():,.0f} bytes sent (formula {formula:,} bytes); sends per layer "
+              f"per micro-step: {calls('forward'):g} forward, {calls('backward'):g} backward")
+    heads = [len(r) for r in ulysses.head_layout(args.n_head, args.n_kv_head, args.sp // args.ring)[0]]
     if len(set(heads)) > 1:  # uneven: the rank with the most heads does the most attention work
-        print(f"query heads per SP rank {heads}: the busiest rank does {max(heads) * len(heads) / sum(heads):.2f}x "
+        print(f"query heads per Ulysses rank {heads}: the busiest rank does {max(heads) * len(heads) / sum(heads):.2f}x "
               f"the mean attention work")
 
 

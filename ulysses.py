@@ -135,15 +135,22 @@ def ulysses_attention(q, k, v, group=None, attn_fn=None, **attn_kwargs):
         return attn_fn(q, k, v, **attn_kwargs)
     n_head, n_kv_head = q.shape[2], k.shape[2]
     query_heads, kv_heads = head_layout(n_head, n_kv_head, P)
-    q, k, v = seq_to_heads((q, k, v), group, (query_heads, kv_heads, kv_heads))  # (B, S, hq or hkv, D)
-    # Kernels with grouped-query attention take query head i to use kv head i // (hq / hkv). Where this rank's
-    # heads do not split that way (8 heads, 2 kv heads, sp 3: the middle rank holds query heads 3, 4, 5, which
-    # use kv heads 0, 1, 1), k and v are expanded to one kv head per query head here, never on the wire.
-    hq, hkv = len(query_heads[rank]), len(kv_heads[rank])
-    uses = [h // (n_head // n_kv_head) - kv_heads[rank].start for h in query_heads[rank]]
-    if hq % hkv or uses != [i // (hq // hkv) for i in range(hq)]:
+    q, k, v = seq_to_heads((q, k, v), group, (query_heads, kv_heads, kv_heads))  # (B, S, hq, D), (B, S, hkv, D) x2
+    uses = kernel_kv_heads(n_head, n_kv_head, P, rank)
+    if len(uses) > len(kv_heads[rank]):  # one kv head per query head, by indexing, in head-major memory
         k, v = (t.transpose(1, 2)[:, uses].transpose(1, 2) for t in (k, v))  # (B, S, hkv, D) -> (B, S, hq, D)
     return heads_to_seq(attn_fn(q, k, v, **attn_kwargs), group, query_heads)  # (B, S/P, Hq, D)
+
+
+def kernel_kv_heads(n_head, n_kv_head, P, rank):
+    """The kv heads rank `rank`'s kernel gets, as indices into the kv heads it holds. Kernels with grouped-query
+    attention take query head i to use kv head i // (hq / hkv). Where the rank's heads do not split that way (8
+    heads, 2 kv heads, sp 3: the middle rank holds query heads 3, 4, 5, which use kv heads 0, 1, 1), k and v are
+    expanded to one kv head per query head, after the all-to-all, never on the wire."""
+    query_heads, kv_heads = head_layout(n_head, n_kv_head, P)
+    hq, hkv = len(query_heads[rank]), len(kv_heads[rank])
+    uses = [h // (n_head // n_kv_head) - kv_heads[rank].start for h in query_heads[rank]]
+    return uses if hq % hkv or uses != [i // (hq // hkv) for i in range(hq)] else list(range(hkv))
 
 
 # ----------------------------------------------------------------------------------------------------------------
