@@ -8,6 +8,8 @@ that teach a concept, so those read as their lesson.
     python bench.py deltanet    # the gated delta rule, chunked against the token-by-token recurrence (gpt.py)
     python bench.py memory      # train.py's predicted peak memory per rank against the measured one
     python bench.py compile     # train.py eager against --compile: the first step (which compiles) and the rest
+    python bench.py ring        # Ulysses, ring and Ulysses x Ring on the same ranks: time, bytes, calls, memory;
+                                # causal work per rank, contiguous against zigzag
 
 Multi-rank measurements start their own gloo processes on this machine; `python bench.py CMD --help` lists the
 options of each.
@@ -27,8 +29,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch.distributed._tools.mem_tracker import MemTracker
+from torch.distributed.device_mesh import init_device_mesh
 
 import gpt
+import ring
 import train
 import ulysses
 from tiled import tiled_lm_loss, tiled_mlp
@@ -389,6 +393,69 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescrip
     """--help shows every default, and the module docstring as it is written."""
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# python bench.py ring: every way to split one attention layer over P ranks, U Ulysses ranks x R ring ranks (U <=
+# heads), with the same kernel (ring.py's; R = 1: one block), forward + backward
+
+
+def _usp_rank(rank, P, args):
+    """{(U, R): (median seconds, all-to-all bytes, all-to-all calls, ring bytes, ring sends, peak bytes)} of this
+    rank; the layouts are timed interleaved."""
+    layouts = [(U, P // U) for U in range(P, 0, -1) if P % U == 0 and U <= args.heads]  # Ulysses alone first
+    groups = {}
+    for U, R in layouts:  # every rank builds every group, in the same order
+        mesh = init_device_mesh("cpu", (R, U), mesh_dim_names=("ring", "ulysses"))
+        groups[U, R] = (mesh.get_group("ulysses"), mesh.get_group("ring"))
+    g = torch.Generator().manual_seed(rank)
+    B, S, H, D = args.batch_size, args.seq_len, args.heads, args.head_dim
+    tensors = [torch.randn(B, S // P, H, D, generator=g) for _ in range(3)]  # q, k, v: this rank's tokens
+
+    def step(U, R):
+        ulysses_group, ring_group = groups[U, R]
+        inputs = [t.detach().requires_grad_() for t in tensors]
+        out = ulysses.ulysses_attention(*inputs, ulysses_group, partial(ring.ring_attention, group=ring_group))
+        return torch.autograd.grad(out, inputs, torch.ones_like(out))
+
+    times = {layout: [] for layout in layouts}
+    for repetition in range(args.reps + 1):  # the first is a warm-up
+        for layout in layouts:
+            dist.barrier()
+            start = time.perf_counter()
+            step(*layout)
+            if repetition:
+                times[layout].append(time.perf_counter() - start)
+    results = {}
+    for layout in layouts:
+        ulysses.reset_all_to_all_stats()
+        ring.reset_ring_stats()
+        peak = peak_bytes(partial(step, *layout), *tensors)
+        a2a, sent = ulysses.all_to_all_stats, ring.ring_stats
+        total = lambda stats, key: stats["forward"][key] + stats["backward"][key]
+        results[layout] = (statistics.median(times[layout]), total(a2a, "bytes"), total(a2a, "calls"),
+                           total(sent, "bytes"), total(sent, "calls"), peak)
+    return results
+
+
+def ring_(args):
+    B, S, H, D = args.batch_size, args.seq_len, args.heads, args.head_dim
+    print(f"one attention layer, forward + backward: B={B} S={S} heads={H} head_dim={D} float32, causal; the median "
+          f"of {args.reps}; rank 0's bytes, calls and peak tensor memory (MemTracker); the kernel is ring.py's in "
+          f"every row", flush=True)
+    print(f"{'P':>2} {'layout':20} {'ms':>8} {'all-to-all bytes':>17} {'calls':>5} {'ring bytes':>11} "
+          f"{'sends':>5} {'peak MiB':>9}", flush=True)
+    for P in args.ranks:
+        for (U, R), (seconds, a2a, calls, sent, sends, peak) in run_ranks(P, _usp_rank, args).items():
+            name = " x ".join([f"ulysses {U}"] * (U > 1) + [f"ring {R}"] * (R > 1)) or "one rank"
+            print(f"{P:2} {name:20} {seconds * 1e3:8.1f} {a2a:17,} {calls:5} {sent:11,} {sends:5} "
+                  f"{peak / 2**20:9.1f}", flush=True)
+    print(f"\ncausal work per ring rank, query-key pairs computed over the R steps (ring.ring_work), S={S}:")
+    print(f"{'R':>2} {'contiguous: least':>18} {'most':>12} {'zigzag: every rank':>19}")
+    for R in (2, 4, 8):
+        contiguous, zigzag = (ring.ring_work(R, S // R, layout) for layout in ("contiguous", "zigzag"))
+        print(f"{R:2} {min(contiguous):18,} {max(contiguous):12,} {zigzag[0]:19,}" + ("" if len(set(zigzag)) == 1
+                                                                                    else f" (not equal: {zigzag})"))
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=_HelpFormatter, allow_abbrev=False)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -426,7 +493,17 @@ def main():
     p.add_argument("--steps", type=int, default=30, help="steps of each run")
     p.add_argument("--runs", type=int, default=2, help="runs of each mode")
     p.add_argument("--flags", nargs=argparse.REMAINDER, default=[], help="more train.py flags, last on the line")
+    p = commands.add_parser("ring", help="Ulysses, ring and Ulysses x Ring on the same ranks; work per rank",
+                            formatter_class=_HelpFormatter, allow_abbrev=False)
+    p.add_argument("--seq-len", type=int, default=4096, help="tokens per sequence")
+    p.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4], help="numbers of ranks P, one block of rows each")
+    p.add_argument("--heads", type=int, default=8, help="query heads (= key/value heads)")
+    p.add_argument("--head-dim", type=int, default=64, help="dimensions per head")
+    p.add_argument("--batch-size", type=int, default=1, help="sequences")
+    p.add_argument("--reps", type=int, default=5, help="timed repetitions (after one warm-up)")
     args = parser.parse_args()
+    if args.command == "ring" and any(args.seq_len % (2 * P) for P in args.ranks):
+        parser.error(f"--seq-len {args.seq_len}: must be a multiple of 2 x every P in --ranks (the zigzag chunks)")
     if args.command == "attention":
         args.kv_heads = args.kv_heads or args.heads
         if args.reps < 2:
@@ -435,7 +512,8 @@ def main():
             if P < 2 or args.heads % P or args.kv_heads % P:
                 parser.error(f"--sp {P}: each SP size must be at least 2 and divide --heads {args.heads} and "
                              f"--kv-heads {args.kv_heads} (the weak-scaling rows use 2 and 4 as well)")
-    measure = {"attention": attention, "tiled": tiled, "deltanet": deltanet, "memory": memory, "compile": compile_}
+    measure = {"attention": attention, "tiled": tiled, "deltanet": deltanet, "memory": memory, "compile": compile_,
+               "ring": ring_}
     measure[args.command](args)
 
 
