@@ -78,6 +78,12 @@ def visible(q_index, k_index, window=None):
     seen = k_index[None, :] <= q_index[:, None]  # (Lq, Lk)
     if window:
         seen &= q_index[:, None] - k_index[None, :] < window
+    return cut(seen)
+
+
+def cut(seen):
+    """A bool mask [queries, keys] -> (rows, cols, mask): the smallest rectangle that holds every True, as two
+    slices, and the mask inside it, or None for the mask when all of it is True; None when nothing is True."""
     rows, cols = seen.any(1).nonzero().flatten(), seen.any(0).nonzero().flatten()
     if len(rows) == 0:
         return None
@@ -101,7 +107,8 @@ def ring_work(R, L, layout, window=None):
 #
 # Queries are grouped by the kv head they use (grouped-query attention: G = Hq / Hkv query heads per kv head), so
 # a kv head is never copied: q [B, Lq, Hkv, G, D], k and v [B, Lk, Hkv, D]. The queries go QUERY_TILE at a time,
-# so the scores in memory are [B, QUERY_TILE, Hq, Lk], never [B, Lq, Hq, Lk]: memory grows as S/R, not (S/R)^2.
+# so the scores in memory are [B, QUERY_TILE, Hq, Lk] at most, never [B, Lq, Hq, Lk]: memory grows as S/R, not
+# (S/R)^2. A tile meets only the keys its queries see (`visible` again), so a causal block costs about half.
 
 QUERY_TILE = 512
 
@@ -112,21 +119,32 @@ def _scores(q, k, mask):
     return scores if mask is None else scores.masked_fill_(~mask[:, None, None, :], float("-inf"))
 
 
-def _query_tiles(q):
-    return [slice(i, i + QUERY_TILE) for i in range(0, q.shape[1], QUERY_TILE)]
+def _tiles(n_queries, mask):
+    """(queries, keys, mask or None) for each tile of up to QUERY_TILE queries that sees any key: the queries and
+    the keys as slices, the mask cut to them."""
+    tiles = []
+    for start in range(0, n_queries, QUERY_TILE):
+        queries = slice(start, min(start + QUERY_TILE, n_queries))
+        if mask is None:
+            tiles.append((queries, slice(None), None))
+        elif (seen := cut(mask[queries])) is not None:
+            rows, keys, tile_mask = seen
+            tiles.append((slice(start + rows.start, start + rows.stop), keys, tile_mask))
+    return tiles
 
 
 def block_attention(q, k, v, mask):
     """(output normalized over this block's keys [B, Lq, Hkv, G, D], its log-sum-exp [B, Lq, Hkv, G]). A query
     that sees no key of the block gets output 0 and lse -inf, which `merge` ignores."""
-    out, lse = [], []
-    for tile in _query_tiles(q):
-        scores = _scores(q[:, tile], k, None if mask is None else mask[tile])  # (B, T, Hkv, G, Lk)
-        tile_lse = scores.logsumexp(-1)  # (B, T, Hkv, G): log of the softmax's normalizer over this block
+    out = q.new_zeros(*q.shape[:-1], v.shape[-1])  # (B, Lq, Hkv, G, D)
+    lse = q.new_full(q.shape[:-1], float("-inf"))  # (B, Lq, Hkv, G)
+    for queries, keys, tile_mask in _tiles(q.shape[1], mask):
+        scores = _scores(q[:, queries], k[:, keys], tile_mask)  # (B, T, Hkv, G, keys)
+        tile_lse = scores.logsumexp(-1)  # (B, T, Hkv, G): log of the softmax's normalizer over these keys
         p = scores.sub_(tile_lse.masked_fill(tile_lse == float("-inf"), 0)[..., None]).exp_()  # softmax, in place
-        out.append(torch.einsum("bqhgk,bkhd->bqhgd", p, v))  # (B, T, Hkv, G, D)
-        lse.append(tile_lse)
-    return torch.cat(out, 1), torch.cat(lse, 1)  # (B, Lq, Hkv, G, D), (B, Lq, Hkv, G)
+        out[:, queries] = torch.einsum("bqhgk,bkhd->bqhgd", p, v[:, keys])
+        lse[:, queries] = tile_lse
+    return out, lse
 
 
 def merge(out, lse, block_out, block_lse):
@@ -138,14 +156,14 @@ def merge(out, lse, block_out, block_lse):
 def block_gradients(q, k, v, mask, lse, dout, delta):
     """dq, dk, dv of one block, given the FINAL lse of my queries (so p below is their true attention to this
     block's keys) and delta = rowsum(dout * out): the softmax's backward, block by block."""
-    dq, dk, dv = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    for tile in _query_tiles(q):
-        p = _scores(q[:, tile], k, None if mask is None else mask[tile]).sub_(lse[:, tile, ..., None]).exp_()
-        dv += torch.einsum("bqhgk,bqhgd->bkhd", p, dout[:, tile])  # (B, Lk, Hkv, D)
-        dp = torch.einsum("bqhgd,bkhd->bqhgk", dout[:, tile], v)  # (B, T, Hkv, G, Lk)
-        dscores = dp.sub_(delta[:, tile, ..., None]).mul_(p).mul_(q.shape[-1] ** -0.5)  # through softmax and scale
-        dq[:, tile] = torch.einsum("bqhgk,bkhd->bqhgd", dscores, k)
-        dk += torch.einsum("bqhgk,bqhgd->bkhd", dscores, q[:, tile])
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    for queries, keys, tile_mask in _tiles(q.shape[1], mask):
+        p = _scores(q[:, queries], k[:, keys], tile_mask).sub_(lse[:, queries, ..., None]).exp_()  # (B, T, Hkv, G, keys)
+        dv[:, keys] += torch.einsum("bqhgk,bqhgd->bkhd", p, dout[:, queries])
+        dp = torch.einsum("bqhgd,bkhd->bqhgk", dout[:, queries], v[:, keys])  # (B, T, Hkv, G, keys)
+        dscores = dp.sub_(delta[:, queries, ..., None]).mul_(p).mul_(q.shape[-1] ** -0.5)  # through softmax, scale
+        dq[:, queries] = torch.einsum("bqhgk,bkhd->bqhgd", dscores, k[:, keys])
+        dk[:, keys] += torch.einsum("bqhgk,bqhgd->bkhd", dscores, q[:, queries])
     return dq, dk, dv
 
 

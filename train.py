@@ -543,9 +543,10 @@ def memory_verdict(args, world_size, memory, cuda):
         longest *= 2
     for step in (longest // 2**k for k in range(1, 7)):  # to within 1/64
         longest += step if peak(seq_len=longest + step) <= memory else 0
-    sp = max(p for p in range(1, min(world_size, args.n_head) + 1) if world_size % p == 0)
+    # every rank in one SP group, with the smallest ring that leaves no Ulysses rank without a head
+    rings = min(r for r in range(1, world_size + 1) if world_size % r == 0 and world_size // r <= args.n_head)
     options = {"--recompute": {"recompute": True}, "--tiles 16": {"tiles": max(16, args.tiles)},
-               f"--sp {sp}": {"sp": sp}}
+               f"--sp {world_size}" + f" --ring {rings}" * (rings > 1): {"sp": world_size, "ring": rings}}
     others = [f"{flags}: {peak(**change) / 2**30:,.1f} GiB" for flags, change in options.items()
               if any(getattr(args, k) != v for k, v in change.items())]  # those that change something
     m, gib = predicted(args, world_size, cuda), lambda b: f"{b / 2**30:,.1f} GiB"
@@ -582,7 +583,8 @@ def plan(args):
         fail(f"--plan {args.plan}: write it as GPUSxGIB, e.g. 8x80 for 8 GPUs of 80 GiB")
     check_args(args, world_size)
     fits, verdict = memory_verdict(args, world_size, memory, cuda=True)
-    print(f"plan: {world_size} GPU{'s' * (world_size > 1)}, sp {args.sp}, seq {args.seq_len:,}: "
+    usp = f" (ulysses {args.sp // args.ring} x ring {args.ring})" if args.ring > 1 else ""
+    print(f"plan: {world_size} GPU{'s' * (world_size > 1)}, sp {args.sp}{usp}, seq {args.seq_len:,}: "
           f"{'fits' if fits else 'does NOT fit'}: {verdict}")
     return fits
 
