@@ -13,11 +13,12 @@ The default data (data.py) is a copy task: random tokens followed by the same to
 scored. Under SP the copy lives on other ranks than the original, so the task cannot be learned unless attention
 really crosses the sequence shards.
 
-One optimizer step, on every rank of the dp x sp mesh (the code cites these numbers):
+One optimizer step, on every rank of the dp x sp mesh (the code cites these numbers; steps 2, 3, 4 and 5-6 are
+rules 1, 2, 3 and 4 of ulysses.py):
   1. each DP rank draws its own micro-batches of full sequences; the sp ranks of an SP group draw the same ones;
   2. the labels are shifted by one before any sharding (a shard's last label is the next shard's first token);
   3. sequences are padded at the end to a multiple of sp (label -100), and SP rank r keeps tokens
-     [r*S/sp, (r+1)*S/sp) with their GLOBAL position ids (ulysses.shard_for_sp);
+     [r*S/sp, (r+1)*S/sp) with their GLOBAL position ids (ulysses.shard_for_sp; with --ring, the zigzag order);
   4. forward on the local tokens: embeddings, norms, MLP and loss per token, attention through two all-to-alls
      per layer (ulysses.ulysses_attention);
   5. loss = this rank's SUM of token losses / the valid tokens of the WHOLE global batch, all dp x sp ranks and
@@ -163,6 +164,7 @@ def train(args, world_size, mesh, device, documents, checkpoint):
     n_params = sum(p.numel() for p in model.parameters())
     compute_dtype = torch.bfloat16 if args.dtype == "bfloat16" else None  # what ZeRO-3 and FSDP2 gather
     zero = None  # ZeRO-3 and FSDP2 shard over every rank: the dp x sp mesh flattened, i.e. the world group
+    # (FSDP2 shards the model's own parameters in place, so with it `zero` stays None)
     if args.zero == "3":
         zero = ZeRO3(model, model.units(), group=dist.group.WORLD, compute_dtype=compute_dtype)
     elif args.zero == "fsdp2":
@@ -231,7 +233,7 @@ def train_step(step, micro_batches, model, zero, optimizer, args):
     params = [p for group in optimizer.param_groups for p in group["params"]]
     if args.zero == "0":
         flat_grads = torch.cat([p.grad.flatten() for p in params])
-        dist.all_reduce(flat_grads)
+        dist.all_reduce(flat_grads, op=dist.ReduceOp.SUM, group=dist.group.WORLD)  # a sum, never an average
         for p, g in zip(params, flat_grads.split([p.numel() for p in params])):
             p.grad.copy_(g.view_as(p))
     # step 7: clip, then update

@@ -26,8 +26,9 @@ Four rules make training on P ranks equal to training on one device; this file h
 
 The file reads in this order: the all-to-all of one tensor (the idea, whole); `ulysses_attention`, which moves
 q, k and v with the same exchange generalized (defined next: q, k and v in ONE call, any head count); the
-attention kernels; and the batch and the loss (rules 1, 2 and 4). It depends on torch alone: copy it into your
-own project. `python bench.py attention` measures it.
+attention kernels; the batch and the loss (rules 1, 2 and 4); and, last, the wait that lets a script exit
+cleanly. It depends on torch alone (2.5 or later): copy it into your own project. `python bench.py attention`
+measures it.
 """
 
 import sys
@@ -59,7 +60,11 @@ def size_and_rank(group):
 #     rank 0 holds  x[t0, h0 h1]   sends x[t0, h1] to rank 1   receives x[t1, h0]   joins x[t0 t1, h0]
 #     rank 1 holds  x[t1, h0 h1]   sends x[t1, h0] to rank 0   receives x[t0, h1]   joins x[t0 t1, h1]
 #
-# heads_to_seq is the same exchange with the roles of the two dimensions swapped.
+# heads_to_seq is the same exchange with the roles of the two dimensions swapped. Why the result is exact: rank i's
+# piece lands at place i, and rank i holds the i-th stretch of the sequence, so the joined tokens are in order.
+#
+# This version is here to be read (and `python bench.py attention` runs it as DeepSpeed's three all-to-alls);
+# ulysses_attention runs the same exchange generalized, two sections down.
 
 # what this process has sent to other ranks: {"forward"|"backward": {"calls": int, "bytes": int}}
 all_to_all_stats = {"forward": {"calls": 0, "bytes": 0}, "backward": {"calls": 0, "bytes": 0}}
@@ -125,8 +130,9 @@ def ulysses_attention(q, k, v, group=None, attn_fn=None, **attn_kwargs):
     full sequence in the same layout, [B, S, heads, D], for this rank's heads (head_layout, below): hq query
     heads and hkv key/value heads, query head i using kv head i // (hq / hkv), as grouped-query kernels take
     them. It defaults to causal attention; sliding_window_attention takes window=..., document_attention the
-    position ids of the FULL sequence (gather_sequence). group=None or a group of one rank runs attn_fn
-    directly. q, k and v travel in one all-to-all (the exchange of the previous section, generalized in the
+    position ids of the FULL sequence: ulysses_attention(q, k, v, group, document_attention,
+    position_ids=gather_sequence(position_ids, group)). ring.ring_attention over a ring group makes it Ulysses x
+    Ring. group=None or a group of one rank runs attn_fn directly. q, k and v travel in one all-to-all (the exchange of the previous section, generalized in the
     next) and the output in one more; backward the same.
     """
     attn_fn = attn_fn or causal_attention
@@ -202,33 +208,6 @@ def head_layout(n_head, n_kv_head, P):
 # head-major, [B, H_r, S, D] in memory, and handed on with [B, S, H_r, D] shape: SDPA reads that memory as it is.
 
 
-def _collective(call, tensors, *args, **kwargs):
-    """call(*args, **kwargs), a blocking torch.distributed collective over `tensors`, returning only once the
-    backend has let go of them. On CPU, gloo returns as soon as the data has moved, and its worker thread drops its
-    references to the tensors a moment later; dropping the last C++ reference to a tensor that Python holds too
-    needs the interpreter lock. If the program is exiting by then (a last collective, destroy_process_group, exit)
-    the thread cannot take the lock, and the process aborts with "terminate called without an active exception".
-    So on CPU we wait here until both counts of each tensor are back, the C++ references and, released a moment
-    after them, the Python ones: under a millisecond; after a second we warn and go on. (CUDA backends keep their
-    work until the GPU has finished, and tell nobody: nothing to wait for there.)"""
-    if tensors[0].device.type != "cpu":
-        return call(*args, **kwargs)
-    before = _holders(tensors)
-    call(*args, **kwargs)
-    deadline = time.monotonic() + 1.0
-    while any(now > then for now, then in zip(_holders(tensors), before)):
-        if time.monotonic() > deadline:
-            warnings.warn(f"gloo still held the tensors of a {call.__name__} one second after it returned")
-            return
-        time.sleep(1e-5)  # the interpreter lock is free for the worker thread meanwhile
-
-
-def _holders(tensors):
-    """The C++ and the Python references of each tensor, in one flat list. Counted the same way before and after
-    a call, so the references this function itself makes cancel out."""
-    return [count for t in tensors for count in (t._use_count(), sys.getrefcount(t))]
-
-
 def _narrow(t, dim, part):
     """The slice `part` (a range) of t along dim, as a view."""
     return t.narrow(dim, part.start, len(part))
@@ -255,13 +234,13 @@ def _unpack(buffer, shapes):
 
 
 def _joined(t, heads, to_heads, P, me):
-    """An empty tensor for what t's exchange joins on this rank: [B, S, heads me, D] (all tokens, stored
+    """An empty tensor for what t's exchange joins on this rank: [B, S, len(heads[me]), D] (all tokens, stored
     head-major) or [B, S/P, all heads, D]. Built the same way for the exchange and for torch.compile's tracing,
     so the two agree on shape and memory layout."""
-    B, S, H, D = t.shape
-    if to_heads:
-        return torch.empty_permuted((B, S * P, len(heads[me]), D), (0, 2, 1, 3), dtype=t.dtype, device=t.device)
-    return t.new_empty(B, S // P, heads[-1].stop, D)
+    B, S_in, H, D = t.shape  # S_in: S/P tokens on the way to heads, all S on the way back
+    if to_heads:  # head-major memory, [B, heads, S, D], read as [B, S, heads, D]
+        return torch.empty_permuted((B, S_in * P, len(heads[me]), D), (0, 2, 1, 3), dtype=t.dtype, device=t.device)
+    return t.new_empty(B, S_in // P, heads[-1].stop, D)
 
 
 def _fused_exchange(tensors, group, heads, to_heads, direction):
@@ -365,6 +344,8 @@ def _exchange(x, group, heads, to_heads):
         raise ValueError(f"tensors that travel in one all-to-all must share dtype and device; got "
                          f"{[(t.dtype, str(t.device)) for t in tensors]}")
     if heads is None:  # one tensor, H/P heads a rank
+        if not single:
+            raise ValueError("several tensors in one all-to-all need heads: one list of P ranges each (head_layout)")
         H = tensors[0].shape[2] * (1 if to_heads else P)
         if H % P:
             raise ValueError(f"{H} heads do not split evenly over {P} ranks: pass heads=head_layout(...)[0]")
@@ -480,7 +461,7 @@ def shard_for_sp(input_ids, labels, position_ids, group=None, ring_group=None):
     labels must already be shifted (labels[:, i] is the token after input_ids[:, i], or -100). Pads at the end
     to a multiple of P (input 0, label -100, positions counting on), so nothing is dropped and causal attention
     keeps every real token from seeing the padding. Position ids are cut like the tokens, never renumbered: rank
-    r's first is position_ids[:, r*S_pad/P] (r*S_pad/P itself for one document a row). group=None: one rank.
+    r's first is position_ids[:, r*S_pad/P], which is r*S_pad/P when the row is one document. group=None: one rank.
 
     With a ring (Ulysses x Ring, ring.py), group is this rank's Ulysses group of U ranks and ring_group its ring
     of R, P = U x R: S is padded to a multiple of 2P and cut into 2R chunks, ring rank r takes chunks r and
@@ -530,3 +511,34 @@ def check_shards(x, group=None):
     if len(set(shapes)) > 1:
         raise ValueError(f"the ranks of the SP group hold [batch, tokens] shards of different shapes, {shapes} by "
                          f"rank; each must hold S/P tokens of the same batch (shard_for_sp pads S to a multiple of P)")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# plumbing: a collective on CPU returns only once gloo has let go of its tensors
+
+
+def _collective(call, tensors, *args, **kwargs):
+    """call(*args, **kwargs), a blocking torch.distributed collective over `tensors`, returning only once the
+    backend has let go of them. On CPU, gloo returns as soon as the data has moved, and its worker thread drops its
+    references to the tensors a moment later; dropping the last C++ reference to a tensor that Python holds too
+    needs the interpreter lock. If the program is exiting by then (a last collective, destroy_process_group, exit)
+    the thread cannot take the lock, and the process aborts with "terminate called without an active exception".
+    So on CPU we wait here until both counts of each tensor are back, the C++ references and, released a moment
+    after them, the Python ones: under a millisecond; after a second we warn and go on. (CUDA backends keep their
+    work until the GPU has finished, and tell nobody: nothing to wait for there.)"""
+    if tensors[0].device.type != "cpu":
+        return call(*args, **kwargs)
+    before = _holders(tensors)
+    call(*args, **kwargs)
+    deadline = time.monotonic() + 1.0
+    while any(now > then for now, then in zip(_holders(tensors), before)):
+        if time.monotonic() > deadline:
+            warnings.warn(f"gloo still held the tensors of a {call.__name__} one second after it returned")
+            return
+        time.sleep(1e-5)  # the interpreter lock is free for the worker thread meanwhile
+
+
+def _holders(tensors):
+    """The C++ and the Python references of each tensor, in one flat list. Counted the same way before and after
+    a call, so the references this function itself makes cancel out."""
+    return [count for t in tensors for count in (t._use_count(), sys.getrefcount(t))]
