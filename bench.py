@@ -448,6 +448,11 @@ def ring_(args):
             name = " x ".join([f"ulysses {U}"] * (U > 1) + [f"ring {R}"] * (R > 1)) or "one rank"
             print(f"{P:2} {name:20} {seconds * 1e3:8.1f} {a2a:17,} {calls:5} {sent:11,} {sends:5} "
                   f"{peak / 2**20:9.1f}", flush=True)
+    kv_bytes = 2 * B * S * H * D * 4  # k and v of the whole sequence, float32
+    print(f"where each stops: Ulysses at P = heads = {H} ranks a sequence, its bytes per rank falling as (P-1)/P^2; "
+          f"a ring never, but each rank sends (R-1)/R of the sequence's k and v twice and all their float32 "
+          f"gradients once, which grows towards {kv_bytes * 3 / 2**20:,.0f} MiB per layer with R "
+          f"(ring.ring_bytes); USP: Ulysses up to {H} ranks, times a ring of any R", flush=True)
     print(f"\ncausal work per ring rank, query-key pairs computed over the R steps (ring.ring_work), S={S}:")
     print(f"{'R':>2} {'contiguous: least':>18} {'most':>12} {'zigzag: every rank':>19}")
     for R in (2, 4, 8):

@@ -108,7 +108,7 @@ def ring_work(R, L, layout, window=None):
 # Queries are grouped by the kv head they use (grouped-query attention: G = Hq / Hkv query heads per kv head), so
 # a kv head is never copied: q [B, Lq, Hkv, G, D], k and v [B, Lk, Hkv, D]. The queries go QUERY_TILE at a time,
 # so the scores in memory are [B, QUERY_TILE, Hq, Lk] at most, never [B, Lq, Hq, Lk]: memory grows as S/R, not
-# (S/R)^2. A tile meets only the keys its queries see (`visible` again), so a causal block costs about half.
+# (S/R)^2. A tile meets only the keys its queries see (`cut` again), so a causal block costs about half.
 
 QUERY_TILE = 512
 
