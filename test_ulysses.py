@@ -346,6 +346,7 @@ import sys
 sys.path.insert(0, {here!r})
 import torch
 import torch.distributed as dist
+import ring
 import ulysses
 
 torch.set_num_threads(1)
@@ -353,13 +354,15 @@ dist.init_process_group("gloo")
 group = dist.group.WORLD  # held until the interpreter exits, as user scripts do
 q, k, v = (torch.randn(2, 16, 4, 8, requires_grad=True) for _ in range(3))
 ulysses.ulysses_attention(q, k, v, group).sum().backward()
+ring.ring_attention(q, k, v, group).sum().backward()  # the last communication: the ring's sends
 dist.destroy_process_group()
 """
 
 
-def test_a_user_script_exits_cleanly(tmp_path):
-    """ulysses_attention forward and backward, destroy_process_group, exit: status 0 on every rank, every time
-    (gloo's worker threads once outlived such a script's last collective and aborted it at exit)."""
+def test_a_user_script_with_ulysses_and_ring_exits_cleanly(tmp_path):
+    """ulysses_attention and then ring_attention, forward and backward, destroy_process_group, exit: status 0 on
+    every rank, every time (gloo's worker threads once outlived such a script's last collective and aborted it
+    at exit). In the second suite, with the ring tests."""
     script = tmp_path / "user_script.py"
     script.write_text(USER_SCRIPT.format(here=HERE))
     for run in range(3):
