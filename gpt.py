@@ -40,6 +40,13 @@ class GPTConfig:
     rope_base: float = 10000.0
     layer_pattern: str = "a"  # layer i is layer_pattern[i % len]: a = softmax attention, d = Gated DeltaNet
     conv_width: int = 4  # Gated DeltaNet's causal convolution over the sequence
+    # Gated DeltaNet's heads: key heads (q and k), value heads (v, the state, the output; a multiple of the key
+    # heads, each key head serving n_v / n_k of them), and their dims. 0: n_head heads of n_embd / n_head.
+    # Qwen3-Next: 16 key heads and 32 value heads, both of dim 128.
+    gdn_k_heads: int = 0
+    gdn_v_heads: int = 0
+    gdn_k_dim: int = 0
+    gdn_v_dim: int = 0
     # How to compute, not what: these change memory and time, never the result.
     tiles: int = 1  # > 1: MLP and loss run over this many sequence tiles (tiled.py), never the full activation
     recompute: bool = False  # keep only each block's input; recompute the block in backward
@@ -52,6 +59,13 @@ class GPTConfig:
             divisors = ", ".join(str(k) for k in range(1, self.n_head + 1) if self.n_head % k == 0)
             raise ValueError(f"n_head={self.n_head} is not a multiple of n_kv_head={self.n_kv_head}; "
                              f"choose n_kv_head in {{{divisors}}}")
+        head_dim = self.n_embd // self.n_head
+        self.gdn_k_heads, self.gdn_v_heads = self.gdn_k_heads or self.n_head, self.gdn_v_heads or self.n_head
+        self.gdn_k_dim, self.gdn_v_dim = self.gdn_k_dim or head_dim, self.gdn_v_dim or head_dim
+        if self.gdn_v_heads % self.gdn_k_heads:
+            multiples = ", ".join(str(self.gdn_k_heads * m) for m in range(1, 5))
+            raise ValueError(f"gdn_v_heads={self.gdn_v_heads} is not a multiple of gdn_k_heads={self.gdn_k_heads}; "
+                             f"choose gdn_v_heads in {{{multiples}, ...}}")
         if not self.layer_pattern or set(self.layer_pattern) - set("ad"):
             raise ValueError(f"layer_pattern={self.layer_pattern!r}: use the letters a (softmax attention) and "
                              f"d (Gated DeltaNet), e.g. 'ddda'")
@@ -188,8 +202,8 @@ class GPT(nn.Module):
         self.sp_group = sp_group
         self.head = Head(cfg)
         for name, p in self.named_parameters():
-            if p.dim() == 2:  # residual projections scaled down with depth, as in GPT-2
-                std = 0.02 / (2 * cfg.n_layer) ** 0.5 if name.endswith("proj.weight") else 0.02
+            if p.dim() == 2:  # the output projections into the residual stream scaled down with depth, as in GPT-2
+                std = 0.02 / (2 * cfg.n_layer) ** 0.5 if name.endswith(".proj.weight") else 0.02
                 nn.init.normal_(p, mean=0.0, std=std)
 
     def units(self):
@@ -236,25 +250,28 @@ class GPT(nn.Module):
 #                                      (my heads' A_log and dt_bias), the
 #                                      gated delta rule -> o
 #
-# Per batch row and head, a state M_t [D, D] (M_0 = 0) is decayed and corrected token by token:
-#     M_t = exp(g_t) (I - beta_t k_t k_t^T) M_{t-1} + beta_t k_t v_t^T,      o_t = M_t^T q_t / sqrt(D)
+# Per batch row and value head, a state M_t [Dk, Dv] (M_0 = 0) is decayed and corrected token by token:
+#     M_t = exp(g_t) (I - beta_t k_t k_t^T) M_{t-1} + beta_t k_t v_t^T,      o_t = M_t^T q_t / sqrt(Dk)
 # g_t <= 0 (the log of the decay) and beta_t in (0, 1) are per token and head; q and k are L2-normalised. A
-# document start resets the state: exp(g_t) = 0 there. All kernels take the softmax kernels' layout,
-# [B, S, heads, D], and `starts`, a bool [B, S] marking where documents start (None: one document per row).
+# document start resets the state: exp(g_t) = 0 there. Like grouped-query attention in reverse, there may be fewer
+# key heads (q, k) than value heads (v, b, a, the state): key head j serves value heads j*G .. j*G + G-1. The
+# kernels take the softmax kernels' layout, q and k [B, S, H, Dk] and v [B, S, H, Dv] with one head per value head
+# (gated_delta_net repeats q and k for them), and `starts`, a bool [B, S] marking where documents start (None: one
+# document per row).
 # `python bench.py deltanet` times the chunked form against the recurrence.
 
 
 def gated_delta_rule(q, k, v, g, beta, starts=None):
     """The recurrence, one token at a time: the obvious reference the chunked form must equal."""
     decay = g.exp() if starts is None else g.exp().masked_fill(starts[:, :, None], 0.0)  # (B, S, H)
-    M = q.new_zeros(q.shape[0], q.shape[2], q.shape[3], v.shape[3])  # (B, H, D, D)
+    M = q.new_zeros(q.shape[0], q.shape[2], q.shape[3], v.shape[3])  # (B, H, Dk, Dv)
     outputs = []
     for t in range(q.shape[1]):
         M = decay[:, t, :, None, None] * M
-        error = v[:, t] - torch.einsum("bhkv,bhk->bhv", M, k[:, t])  # (B, H, D): what M predicts for k, wrongly
+        error = v[:, t] - torch.einsum("bhkv,bhk->bhv", M, k[:, t])  # (B, H, Dv): what M predicts for k, wrongly
         M = M + beta[:, t, :, None, None] * k[:, t, :, :, None] * error[:, :, None, :]
         outputs.append(torch.einsum("bhkv,bhk->bhv", M, q[:, t]) * q.shape[-1] ** -0.5)
-    return torch.stack(outputs, dim=1)  # (B, S, H, D)
+    return torch.stack(outputs, dim=1)  # (B, S, H, Dv)
 
 
 def _masked_exp(log_decay, keep):
@@ -273,14 +290,15 @@ def chunk_gated_delta_rule(q, k, v, g, beta, starts=None, chunk_size=64):
         M_next = exp(G_C) M0 + (K * exp(G_C - G))^T U                      (the state handed on)
     A document start zeroes every decay that crosses it, exp(G) and exp(G_C - G) included.
     """
-    B, S, H, D = q.shape
+    B, S, H, Dk = q.shape
+    Dv = v.shape[-1]
     C, n = chunk_size, -(-S // chunk_size)  # n chunks; the last is padded with tokens that change nothing
 
     def chunked(x):  # (B, S, H, ...) -> (B, H, n, C, ...)
         x = F.pad(x.transpose(1, 2), (0, 0) * (x.dim() - 3) + (0, n * C - S))
         return x.reshape(B, H, n, C, *x.shape[3:])
 
-    q, k, v, g, beta = map(chunked, (q * D ** -0.5, k, v, g, beta))  # q, k, v: (B, H, n, C, D); g, beta: (B, H, n, C)
+    q, k, v, g, beta = map(chunked, (q * Dk ** -0.5, k, v, g, beta))  # q, k, v: (B, H, n, C, Dk or Dv); g, beta: (B, H, n, C)
     starts = torch.zeros(B, S, dtype=torch.bool, device=q.device) if starts is None else starts
     document = F.pad(starts, (0, n * C - S)).reshape(B, 1, n, C).cumsum(-1)  # (B, 1, n, C): 0 = the one entered
     G = g.cumsum(-1)  # (B, H, n, C)
@@ -291,20 +309,20 @@ def chunk_gated_delta_rule(q, k, v, g, beta, starts=None, chunk_size=64):
     to_end = _masked_exp(G[..., -1:] - G, document == document[..., -1:])  # (B, H, n, C): token t to chunk end
     # the UT transform, for every chunk at once: one triangular solve gives U~ and W
     A = (beta[..., None] * (k @ k.transpose(-1, -2)) * Dec).tril(-1)  # (B, H, n, C, C)
-    right = torch.cat([beta[..., None] * v, (beta * from_start)[..., None] * k], dim=-1)  # (B, H, n, C, 2D)
+    right = torch.cat([beta[..., None] * v, (beta * from_start)[..., None] * k], dim=-1)  # (B, H, n, C, Dv + Dk)
     eye = torch.eye(C, dtype=q.dtype, device=q.device)
-    U_tilde, W = torch.linalg.solve_triangular(eye + A, right, upper=False, unitriangular=True).split(D, -1)
+    U_tilde, W = torch.linalg.solve_triangular(eye + A, right, upper=False, unitriangular=True).split([Dv, Dk], -1)
     # the one sequential part: the state, carried across chunks
-    M, states, values = q.new_zeros(B, H, D, D), [], []
-    k_to_end = (k * to_end[..., None]).transpose(-1, -2)  # (B, H, n, D, C)
+    M, states, values = q.new_zeros(B, H, Dk, Dv), [], []
+    k_to_end = (k * to_end[..., None]).transpose(-1, -2)  # (B, H, n, Dk, C)
     for i in range(n):
-        u = U_tilde[:, :, i] - W[:, :, i] @ M  # (B, H, C, D)
+        u = U_tilde[:, :, i] - W[:, :, i] @ M  # (B, H, C, Dv)
         states.append(M)
         values.append(u)
-        M = from_start[:, :, i, -1, None, None] * M + k_to_end[:, :, i] @ u  # (B, H, D, D)
-    states, U = torch.stack(states, dim=2), torch.stack(values, dim=2)  # (B, H, n, D, D), (B, H, n, C, D)
-    o = (q * from_start[..., None]) @ states + ((q @ k.transpose(-1, -2)) * Dec) @ U  # (B, H, n, C, D)
-    return o.reshape(B, H, n * C, D)[:, :, :S].transpose(1, 2)  # (B, S, H, D)
+        M = from_start[:, :, i, -1, None, None] * M + k_to_end[:, :, i] @ u  # (B, H, Dk, Dv)
+    states, U = torch.stack(states, dim=2), torch.stack(values, dim=2)  # (B, H, n, Dk, Dv), (B, H, n, C, Dv)
+    o = (q * from_start[..., None]) @ states + ((q @ k.transpose(-1, -2)) * Dec) @ U  # (B, H, n, C, Dv)
+    return o.reshape(B, H, n * C, Dv)[:, :, :S].transpose(1, 2)  # (B, S, H, Dv)
 
 
 def causal_conv1d(x, weight, starts=None):
@@ -325,22 +343,27 @@ def _causal_conv(x, weight):
     return F.conv1d(x, weight[:, None], groups=x.shape[1]).transpose(1, 2)  # (B, C, n) -> (B, n, C)
 
 
-def gated_delta_net(q, k, v, b, a, conv_weight, A_log, dt_bias, starts=None):
-    """What a Gated DeltaNet layer computes over the full sequence, for some of its heads: q, k, v [B, S, h, D]
-    before the convolution, b and a [B, S, h, 1] (the inputs of beta and of the decay), and the slices of the
-    per-head parameters for those h heads -> o [B, S, h, D]. It computes in float32 with autocast off, whatever
-    the dtype of its inputs: cumulative decays and a state carried over the whole sequence would drift in bf16's 8
-    significant bits. o comes back in the inputs' dtype, for the all-to-all."""
-    B, S, h, D = q.shape
+def gated_delta_net(q, k, v, b, a, conv_weight, A_log, dt_bias, key_of_value=None, starts=None):
+    """What a Gated DeltaNet layer computes over the full sequence, for some of its heads: q and k [B, S, hk, Dk]
+    and v [B, S, hv, Dv] before the convolution, b and a [B, S, hv, 1] (the inputs of beta and of the decay), the
+    slices of the per-head parameters for those heads, and key_of_value, for each value head the index of its key
+    head among the hk (None: hk = hv, one each) -> o [B, S, hv, Dv]. It computes in float32 with autocast off,
+    whatever the dtype of its inputs: cumulative decays and a state carried over the whole sequence would drift in
+    bf16's 8 significant bits. o comes back in the inputs' dtype, for the all-to-all."""
+    B, S, hk, Dk = q.shape
+    hv, Dv = v.shape[2:]
     dtype = q.dtype
     with torch.autocast(q.device.type, enabled=False):
         q, k, v, b, a, conv_weight, A_log, dt_bias = map(at_least_float32, (q, k, v, b, a, conv_weight, A_log, dt_bias))
-        qkv = F.silu(causal_conv1d(torch.cat([q, k, v], dim=2).flatten(2), conv_weight, starts))  # (B, S, 3*h*D)
-        q, k, v = qkv.view(B, S, 3, h, D).unbind(2)  # (B, S, h, D) each
-        beta = b.squeeze(-1).sigmoid()  # (B, S, h)
-        g = -A_log.exp() * F.softplus(a.squeeze(-1) + dt_bias)  # (B, S, h): the log of the decay, <= 0
-        o = chunk_gated_delta_rule(F.normalize(q, dim=-1), F.normalize(k, dim=-1), v, g, beta, starts)
-    return o.to(dtype)  # (B, S, h, D)
+        qkv = torch.cat([q.flatten(2), k.flatten(2), v.flatten(2)], dim=2)  # (B, S, 2*hk*Dk + hv*Dv): the channels
+        q, k, v = F.silu(causal_conv1d(qkv, conv_weight, starts)).split([hk * Dk, hk * Dk, hv * Dv], dim=2)
+        q, k = (F.normalize(t.view(B, S, hk, Dk), dim=-1) for t in (q, k))  # (B, S, hk, Dk)
+        if key_of_value is not None:  # each value head gets its key head's q and k
+            q, k = q[:, :, key_of_value], k[:, :, key_of_value]  # (B, S, hk, Dk) -> (B, S, hv, Dk)
+        beta = b.squeeze(-1).sigmoid()  # (B, S, hv)
+        g = -A_log.exp() * F.softplus(a.squeeze(-1) + dt_bias)  # (B, S, hv): the log of the decay, <= 0
+        o = chunk_gated_delta_rule(q, k, v.view(B, S, hv, Dv), g, beta, starts)  # (B, S, hv, Dv)
+    return o.to(dtype)
 
 
 class GatedDeltaNet(nn.Module):
@@ -350,35 +373,51 @@ class GatedDeltaNet(nn.Module):
 
     def __init__(self, cfg, sp_group):
         super().__init__()
-        H, D = cfg.n_head, cfg.n_embd // cfg.n_head
-        self.n_head, self.head_dim, self.sp_group = H, D, sp_group
-        self.in_proj = nn.Linear(cfg.n_embd, 4 * H * D + 2 * H, bias=False)  # q, k, v, z (H*D each), b, a (H each)
-        self.conv = nn.Parameter(torch.empty(3, H, D, cfg.conv_width).uniform_(-1, 1) / cfg.conv_width ** 0.5)
-        self.A_log = nn.Parameter(torch.empty(H).uniform_(1, 16).log())  # decay rates, as in Mamba2
-        dt = torch.empty(H).uniform_(math.log(1e-3), math.log(0.1)).exp()
+        Hk, Hv, Dk, Dv = cfg.gdn_k_heads, cfg.gdn_v_heads, cfg.gdn_k_dim, cfg.gdn_v_dim
+        self.shape, self.sp_group = (Hk, Hv, Dk, Dv), sp_group
+        # q, k (Hk*Dk each), v, z (Hv*Dv each), b, a (Hv each)
+        self.in_proj = nn.Linear(cfg.n_embd, 2 * Hk * Dk + 2 * Hv * Dv + 2 * Hv, bias=False)
+        W = cfg.conv_width
+        self.conv_qk = nn.Parameter(torch.empty(2, Hk, Dk, W).uniform_(-1, 1) / W ** 0.5)  # q's and k's channels
+        self.conv_v = nn.Parameter(torch.empty(Hv, Dv, W).uniform_(-1, 1) / W ** 0.5)  # v's
+        self.A_log = nn.Parameter(torch.empty(Hv).uniform_(1, 16).log())  # decay rates, as in Mamba2
+        dt = torch.empty(Hv).uniform_(math.log(1e-3), math.log(0.1)).exp()
         self.dt_bias = nn.Parameter(dt + torch.log(-torch.expm1(-dt)))  # softplus(dt_bias) = dt
-        self.norm = RMSNorm(D, eps=1e-6)
-        self.proj = nn.Linear(H * D, cfg.n_embd, bias=False)
+        self.norm = RMSNorm(Dv, eps=1e-6)
+        self.proj = nn.Linear(Hv * Dv, cfg.n_embd, bias=False)
+
+    def heads(self):
+        """(value heads, key heads) of each rank between the all-to-alls: head_layout with value heads in the role
+        of query heads, since value head h uses key head h // (Hv / Hk)."""
+        Hk, Hv, _, _ = self.shape
+        return head_layout(Hv, Hk, size_and_rank(self.sp_group)[0])
 
     def forward(self, x, cos, sin, attend):
         B, S_local, _ = x.shape
-        H, D = self.n_head, self.head_dim
-        q, k, v, z, b, a = self.in_proj(x).split([H * D] * 4 + [H] * 2, dim=-1)
-        q, k, v, z = (t.view(B, S_local, H, D) for t in (q, k, v, z))  # (B, S_local, H, D)
-        P, rank = size_and_rank(self.sp_group)
-        heads = head_layout(H, H, P)[0]
-        mine = heads[rank]
-        q, k, v, b, a = seq_to_heads((q, k, v, b[..., None], a[..., None]), self.sp_group, (heads,) * 5)  # (B, S, h, *)
-        o = attend(q, k, v, b, a, self.conv[:, mine.start:mine.stop].flatten(0, 2),  # (3*h*D, W): my channels
-                   self.A_log[mine.start:mine.stop], self.dt_bias[mine.start:mine.stop])  # (B, S, h, D)
-        o = heads_to_seq(o, self.sp_group, heads)  # (B, S_local, H, D)
+        Hk, Hv, Dk, Dv = self.shape
+        q, k, v, z, b, a = self.in_proj(x).split([Hk * Dk, Hk * Dk, Hv * Dv, Hv * Dv, Hv, Hv], dim=-1)
+        q, k = (t.view(B, S_local, Hk, Dk) for t in (q, k))  # (B, S_local, Hk, Dk)
+        v, z = (t.view(B, S_local, Hv, Dv) for t in (v, z))  # (B, S_local, Hv, Dv)
+        value_heads, key_heads = self.heads()
+        rank = size_and_rank(self.sp_group)[1]
+        mine_v, mine_k = value_heads[rank], key_heads[rank]
+        q, k, v, b, a = seq_to_heads((q, k, v, b[..., None], a[..., None]), self.sp_group,
+                                     (key_heads, key_heads, value_heads, value_heads, value_heads))  # (B, S, h, *)
+        key_of_value = [h // (Hv // Hk) - mine_k.start for h in mine_v]
+        conv = torch.cat([self.conv_qk[:, mine_k.start:mine_k.stop].flatten(0, 2),
+                          self.conv_v[mine_v.start:mine_v.stop].flatten(0, 1)])  # (2*hk*Dk + hv*Dv, W): my channels
+        o = attend(q, k, v, b, a, conv, self.A_log[mine_v.start:mine_v.stop], self.dt_bias[mine_v.start:mine_v.stop],
+                   key_of_value)  # (B, S, hv, Dv)
+        o = heads_to_seq(o, self.sp_group, value_heads)  # (B, S_local, Hv, Dv)
         return self.proj((self.norm(o) * F.silu(z)).flatten(2))  # the gate z is per token: it never left
 
     def all_to_all_bytes(self, tokens, element_bytes):
-        """(forward, backward) bytes this rank sends per call: q, k, v (head_dim each) and b, a (one each) to the
-        other ranks' heads and the output back; backward the reverse."""
-        P, rank = size_and_rank(self.sp_group)
-        heads = head_layout(self.n_head, self.n_head, P)[0]
-        (in_there, in_back), (out_there, out_back) = (all_to_all_bytes(heads, rank, tokens * width * element_bytes)
-                                                      for width in (3 * self.head_dim + 2, self.head_dim))
-        return in_there + out_back, out_there + in_back
+        """(forward, backward) bytes this rank sends per call: q and k (Dk each) to the other ranks' key heads, v
+        (Dv), b and a (one each) to their value heads, and the output (Dv) back; backward the reverse."""
+        _, _, Dk, Dv = self.shape
+        value_heads, key_heads = self.heads()
+        rank = size_and_rank(self.sp_group)[1]
+        (k_there, k_back), (v_there, v_back), (o_there, o_back) = (
+            all_to_all_bytes(heads, rank, tokens * width * element_bytes)
+            for heads, width in ((key_heads, 2 * Dk), (value_heads, Dv + 2), (value_heads, Dv)))
+        return k_there + v_there + o_back, o_there + k_back + v_back

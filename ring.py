@@ -6,7 +6,7 @@ sequence parallelism over more ranks than there are heads.
 Ulysses hands each rank whole heads, so one sequence can use at most n_head ranks. A ring splits the other
 way. Rank r holds a block of L = S/R tokens with all their heads; at each of R steps it attends its queries to
 the key/value block it holds, while it passes that block on to rank r+1 and receives rank r-1's. After R
-steps every query has met every key, and no rank ever held more than two blocks:
+steps every query has met every key, and no rank ever held more than two key/value blocks:
 
     step         0      1      2             kv_j: the key/value block of rank j (R = 3)
     rank 0     kv_0   kv_2   kv_1            each step sends the block to the next rank while the
@@ -39,7 +39,8 @@ ring. ulysses_attention(q, k, v, ulysses_group, attn_fn=partial(ring_attention, 
 takes: the all-to-all gives each rank whole heads of its ring block, the ring runs over the blocks, and the
 all-to-all gives the heads back. ulysses.shard_for_sp lays the tokens out in the zigzag order for it.
 
-This file depends on torch alone: copy it into your own project. `python bench.py ring` measures it.
+This file depends on torch alone (2.6 or later): copy it into your own project. `python bench.py ring` measures
+it.
 """
 
 import torch
@@ -69,35 +70,32 @@ def token_index(layout, rank, R, L):
     return torch.cat([torch.arange(rank * C, (rank + 1) * C), torch.arange((2 * R - 1 - rank) * C, (2 * R - rank) * C)])
 
 
-def visible(q_index, k_index, window=None):
-    """Which keys each query may see: causal, and within the last `window` tokens if given. Cut to the rows
-    (queries) and columns (keys) where anything is visible: (rows, cols, mask) with two slices and a bool mask
-    [rows, cols], or None for the mask when everything in the cut is visible; None when nothing is. The cut is
-    all the work a block needs: with zigzag, a block from an earlier rank is cut to its first chunk, and a
-    block from a later rank to the queries of my second chunk."""
-    seen = k_index[None, :] <= q_index[:, None]  # (Lq, Lk)
-    if window:
-        seen &= q_index[:, None] - k_index[None, :] < window
-    return cut(seen)
+def key_ranges(q_index, k_index, window=None):
+    """Which keys each query may see: causal, and within the last `window` tokens if given. Positions in both
+    layouts rise along a rank's tokens, so the keys a query sees are one run of k_index: (lo, hi), two [Lq]
+    tensors, query i seeing keys lo[i] .. hi[i] - 1 (none when lo[i] = hi[i]). Never a [Lq, Lk] mask."""
+    hi = torch.searchsorted(k_index, q_index, right=True)  # (Lq,): the keys at or before each query
+    lo = torch.searchsorted(k_index, q_index - window, right=True) if window else torch.zeros_like(hi)  # (Lq,)
+    return lo, hi
 
 
-def cut(seen):
-    """A bool mask [queries, keys] -> (rows, cols, mask): the smallest rectangle that holds every True, as two
-    slices, and the mask inside it, or None for the mask when all of it is True; None when nothing is True."""
-    rows, cols = seen.any(1).nonzero().flatten(), seen.any(0).nonzero().flatten()
+def cut(lo, hi):
+    """(rows, cols): the queries that see any key and the keys they see, as two slices, or None when no query
+    sees any. This is all the work a block needs: with zigzag, a block from an earlier rank is cut to its first
+    chunk of keys, and a block from a later rank to the queries of my second chunk."""
+    rows = (hi > lo).nonzero().flatten()
     if len(rows) == 0:
         return None
-    rows, cols = slice(rows[0].item(), rows[-1].item() + 1), slice(cols[0].item(), cols[-1].item() + 1)
-    mask = seen[rows, cols]
-    return rows, cols, None if mask.all() else mask
+    rows = slice(rows[0].item(), rows[-1].item() + 1)
+    return rows, slice(lo[rows].min().item(), hi[rows].max().item())
 
 
 def ring_work(R, L, layout, window=None):
-    """Attention work per rank, in query-key pairs computed, summed over the R steps: what `visible` leaves of
-    each block. A list of R numbers; zigzag makes them equal (for full causal attention)."""
+    """Attention work per rank: the query-key pairs of each block's cut, summed over the R steps (a tiled kernel
+    skips part of the own block's too). A list of R numbers; zigzag makes them equal (for causal attention)."""
     work = []
     for r in range(R):
-        cuts = [visible(token_index(layout, r, R, L), token_index(layout, j, R, L), window) for j in range(R)]
+        cuts = [cut(*key_ranges(token_index(layout, r, R, L), token_index(layout, j, R, L), window)) for j in range(R)]
         work.append(sum((c[0].stop - c[0].start) * (c[1].stop - c[1].start) for c in cuts if c is not None))
     return work
 
@@ -108,7 +106,8 @@ def ring_work(R, L, layout, window=None):
 # Queries are grouped by the kv head they use (grouped-query attention: G = Hq / Hkv query heads per kv head), so
 # a kv head is never copied: q [B, Lq, Hkv, G, D], k and v [B, Lk, Hkv, D]. The queries go QUERY_TILE at a time,
 # so the scores in memory are [B, QUERY_TILE, Hq, Lk] at most, never [B, Lq, Hq, Lk]: memory grows as S/R, not
-# (S/R)^2. A tile meets only the keys its queries see (`cut` again), so a causal block costs about half.
+# (S/R)^2. A tile meets only the keys its queries see (`cut` again), so a causal block costs about half. Which keys
+# those are comes as (lo, hi) per query (key_ranges); a tile's mask is built from them, [tile, keys] at most.
 
 QUERY_TILE = 512
 
@@ -119,27 +118,34 @@ def _scores(q, k, mask):
     return scores if mask is None else scores.masked_fill_(~mask[:, None, None, :], float("-inf"))
 
 
-def _tiles(n_queries, mask):
-    """(queries, keys, mask or None) for each tile of up to QUERY_TILE queries that sees any key: the queries and
-    the keys as slices, the mask cut to them."""
+def _tiles(lo, hi, device):
+    """(queries, keys, mask or None) for each tile of up to QUERY_TILE queries that sees any key: slices of the
+    block's queries and keys, and the [queries, keys] mask of what each query sees, None when it sees them all."""
     tiles = []
-    for start in range(0, n_queries, QUERY_TILE):
-        queries = slice(start, min(start + QUERY_TILE, n_queries))
-        if mask is None:
-            tiles.append((queries, slice(None), None))
-        elif (seen := cut(mask[queries])) is not None:
-            rows, keys, tile_mask = seen
-            tiles.append((slice(start + rows.start, start + rows.stop), keys, tile_mask))
+    for start in range(0, len(lo), QUERY_TILE):
+        tile_lo, tile_hi = lo[start:start + QUERY_TILE], hi[start:start + QUERY_TILE]
+        if (part := cut(tile_lo, tile_hi)) is None:
+            continue
+        rows, keys = part
+        tile_lo, tile_hi = tile_lo[rows], tile_hi[rows]  # (T,)
+        queries = slice(start + rows.start, start + rows.stop)
+        if (tile_lo == keys.start).all() and (tile_hi == keys.stop).all():
+            tiles.append((queries, keys, None))
+            continue
+        key = torch.arange(keys.start, keys.stop)[None, :]  # (1, keys)
+        mask = (key >= tile_lo[:, None]) & (key < tile_hi[:, None])  # (T, keys)
+        tiles.append((queries, keys, mask.to(device)))
     return tiles
 
 
-def block_attention(q, k, v, mask):
-    """(output normalized over this block's keys [B, Lq, Hkv, G, D], its log-sum-exp [B, Lq, Hkv, G]). A query
-    that sees no key of the block gets output 0 and lse -inf, which `merge` ignores."""
+def block_attention(q, k, v, lo, hi):
+    """(output normalized over this block's keys [B, Lq, Hkv, G, D], its log-sum-exp [B, Lq, Hkv, G]), query i
+    seeing keys lo[i] .. hi[i] - 1. A query that sees no key of the block gets output 0 and lse -inf, which
+    `merge` ignores."""
     out = q.new_zeros(*q.shape[:-1], v.shape[-1])  # (B, Lq, Hkv, G, D)
     lse = q.new_full(q.shape[:-1], float("-inf"))  # (B, Lq, Hkv, G)
-    for queries, keys, tile_mask in _tiles(q.shape[1], mask):
-        scores = _scores(q[:, queries], k[:, keys], tile_mask)  # (B, T, Hkv, G, keys)
+    for queries, keys, mask in _tiles(lo, hi, q.device):
+        scores = _scores(q[:, queries], k[:, keys], mask)  # (B, T, Hkv, G, keys)
         tile_lse = scores.logsumexp(-1)  # (B, T, Hkv, G): log of the softmax's normalizer over these keys
         p = scores.sub_(tile_lse.masked_fill(tile_lse == float("-inf"), 0)[..., None]).exp_()  # softmax, in place
         out[:, queries] = torch.einsum("bqhgk,bkhd->bqhgd", p, v[:, keys])
@@ -153,12 +159,12 @@ def merge(out, lse, block_out, block_lse):
     lse.sub_(F.logsigmoid(lse - block_lse))  # log(e^lse_a + e^lse_b) = lse_a - log sigmoid(lse_a - lse_b)
 
 
-def block_gradients(q, k, v, mask, lse, dout, delta):
+def block_gradients(q, k, v, lo, hi, lse, dout, delta):
     """dq, dk, dv of one block, given the FINAL lse of my queries (so p below is their true attention to this
     block's keys) and delta = rowsum(dout * out): the softmax's backward, block by block."""
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    for queries, keys, tile_mask in _tiles(q.shape[1], mask):
-        p = _scores(q[:, queries], k[:, keys], tile_mask).sub_(lse[:, queries, ..., None]).exp_()  # (B, T, Hkv, G, keys)
+    for queries, keys, mask in _tiles(lo, hi, q.device):
+        p = _scores(q[:, queries], k[:, keys], mask).sub_(lse[:, queries, ..., None]).exp_()  # (B, T, Hkv, G, keys)
         dv[:, keys] += torch.einsum("bqhgk,bqhgd->bkhd", p, dout[:, queries])
         dp = torch.einsum("bqhgd,bkhd->bqhgk", dout[:, queries], v[:, keys])  # (B, T, Hkv, G, keys)
         dscores = dp.sub_(delta[:, queries, ..., None]).mul_(p).mul_(q.shape[-1] ** -0.5)  # through softmax, scale
@@ -171,15 +177,15 @@ def block_gradients(q, k, v, mask, lse, dout, delta):
 # the ring
 
 
-def pass_on(x, group, direction):
+def pass_on(x, group, phase):
     """Start sending x to the next rank of the ring and receiving the previous rank's tensor of the same shape.
     Returns (received, works): `received` is filled once every work in `works` has been waited on."""
     R, r = size_and_rank(group)
     received = torch.empty_like(x)
     works = dist.batch_isend_irecv([dist.P2POp(dist.isend, x, group=group, group_peer=(r + 1) % R),
                                     dist.P2POp(dist.irecv, received, group=group, group_peer=(r - 1) % R)])
-    ring_stats[direction]["calls"] += 1
-    ring_stats[direction]["bytes"] += x.nbytes
+    ring_stats[phase]["calls"] += 1  # phase: "forward" or "backward", for the counts
+    ring_stats[phase]["bytes"] += x.nbytes
     return received, works
 
 
@@ -192,6 +198,18 @@ def arrived(received, works):
 def _wide(x):
     """x in float32 if it is in a 16-bit float (bf16 under autocast), else as it is (float64 stays float64)."""
     return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+
+
+def _block(mine, layout, rank, R, window, kv):
+    """What my queries need of the key/value block of ring rank `rank`, held in kv [2, B, L, Hkv, D]: None if they
+    see none of it, else (rows, cols: the cut, as slices; the rows' (lo, hi) within cols; the keys and values of
+    cols, in float32)."""
+    lo, hi = key_ranges(mine, token_index(layout, rank, R, kv.shape[2]), window)
+    if (part := cut(lo, hi)) is None:
+        return None
+    rows, cols = part
+    block_k, block_v = _wide(kv[:, :, cols])  # (B, cols, Hkv, D) each
+    return rows, cols, lo[rows] - cols.start, hi[rows] - cols.start, block_k, block_v
 
 
 class _RingAttention(torch.autograd.Function):
@@ -207,12 +225,9 @@ class _RingAttention(torch.autograd.Function):
             for step in range(R):  # at step s this rank holds the block of rank r - s
                 if step < R - 1:
                     incoming = pass_on(kv, group, "forward")  # sent while this block is computed on
-                cut = visible(mine, token_index(layout, (r - step) % R, R, L), window)
-                if cut is not None:
-                    rows, cols, mask = cut
-                    block_k, block_v = _wide(kv[:, :, cols])  # (B, cols, Hkv, D) each
-                    mask = None if mask is None else mask.to(q.device)
-                    block_out, block_lse = block_attention(grouped_q[:, rows], block_k, block_v, mask)
+                if (block := _block(mine, layout, (r - step) % R, R, window, kv)) is not None:
+                    rows, _, lo, hi, block_k, block_v = block
+                    block_out, block_lse = block_attention(grouped_q[:, rows], block_k, block_v, lo, hi)
                     if step == 0:  # my own block: every query sees itself, so every row is filled here
                         out, lse = block_out, block_lse
                     else:
@@ -241,12 +256,9 @@ class _RingAttention(torch.autograd.Function):
                 if step < R - 1:
                     incoming = pass_on(kv, group, "backward")
                 dkv = grouped_q.new_zeros(2, B, L, Hkv, D)  # this step's share of the block's dk and dv, a new buffer
-                cut = visible(mine, token_index(layout, (r - step) % R, R, L), window)
-                if cut is not None:
-                    rows, cols, mask = cut
-                    block_k, block_v = _wide(kv[:, :, cols])
-                    mask = None if mask is None else mask.to(q.device)
-                    block_dq, block_dk, block_dv = block_gradients(grouped_q[:, rows], block_k, block_v, mask,
+                if (block := _block(mine, layout, (r - step) % R, R, window, kv)) is not None:
+                    rows, cols, lo, hi, block_k, block_v = block
+                    block_dq, block_dk, block_dv = block_gradients(grouped_q[:, rows], block_k, block_v, lo, hi,
                                                                    lse[:, rows], dout[:, rows], delta[:, rows])
                     dq[:, rows] += block_dq
                     dkv[0, :, cols] += block_dk
@@ -267,11 +279,18 @@ def ring_attention(q, k, v, group=None, layout="zigzag", window=None):
     q [B, L, Hq, D], k and v [B, L, Hkv, D] with Hq a multiple of Hkv: this rank's L tokens, laid out as
     `layout` says ("zigzag": chunks r and 2R-1-r of 2R; "contiguous": tokens [r*L, (r+1)*L)). Returns
     [B, L, Hq, D]. window: sliding-window attention over the last `window` tokens. Differentiable; forward and
-    backward each move R-1 key/value blocks per rank, backward also R dk/dv blocks (in float32).
+    backward each move R-1 key/value blocks per rank, backward also R dk/dv blocks (in float32, or float64 for
+    float64 inputs).
     group=None or a group of one rank: attention over this rank's tokens alone.
     """
     if layout not in ("zigzag", "contiguous"):
         raise ValueError(f"layout={layout!r}; choose 'zigzag' or 'contiguous'")
+    if k.shape != v.shape or q.shape[:2] != k.shape[:2] or q.shape[2] % k.shape[2]:
+        raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}: want q [B, L, Hq, D] and k, v "
+                         f"[B, L, Hkv, D] with Hq a multiple of Hkv")
+    if layout == "zigzag" and q.shape[1] % 2:
+        raise ValueError(f"{q.shape[1]} tokens on this rank: zigzag holds two equal chunks, so an even number "
+                         f"(shard_for_sp pads the sequence to a multiple of 2 x the SP size)")
     return _RingAttention.apply(q, k, v, group, layout if size_and_rank(group)[0] > 1 else "contiguous", window)
 
 

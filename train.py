@@ -54,7 +54,8 @@ import ulysses
 from gpt import GPT, GPTConfig
 from zero3 import ZeRO3, fsdp2_shard, load_whole_state, whole_state
 
-MODEL_FIELDS = ("n_layer", "n_head", "n_kv_head", "n_embd", "window", "layer_pattern")  # what shapes the model
+MODEL_FIELDS = ("n_layer", "n_head", "n_kv_head", "n_embd", "window", "layer_pattern", "gdn_k_heads", "gdn_v_heads",
+                "gdn_k_dim", "gdn_v_dim")  # what shapes the model
 
 
 def parse_args(argv=None):
@@ -78,6 +79,10 @@ def parse_args(argv=None):
     p.add_argument("--window", type=int, default=0, help="sliding-window attention over this many tokens (0: full)")
     p.add_argument("--layer-pattern", default="a", help="each layer's kind, repeated over the layers: a = softmax "
                    "attention, d = Gated DeltaNet (linear attention); e.g. ddda")
+    for part, what in (("k-heads", "key heads (q, k)"), ("v-heads", "value heads (v, the state; a multiple of the key "
+                       "heads)"), ("k-dim", "dims of a key head"), ("v-dim", "dims of a value head")):
+        p.add_argument(f"--gdn-{part}", type=int, default=0, help=f"Gated DeltaNet layers: {what} (0: as for "
+                       f"softmax attention, --n-head heads of --n-embd / --n-head)")
     p.add_argument("--data", help="a text file to train on, as bytes (default: the copy task)")
     p.add_argument("--pack", action="store_true", help="several documents in each sequence (text: its paragraphs; "
                    "copy task: documents of random lengths); attention stays inside each document")
@@ -398,9 +403,10 @@ def check_args(args, world_size):
     args.n_layer = max(2, len(args.layer_pattern)) if args.n_layer is None else args.n_layer
     args.lr = (5e-4 if "d" in args.layer_pattern else 1e-3) if args.lr is None else args.lr
     args.warmup = max(1, args.steps // 10) if args.warmup is None else args.warmup
+    zero_means_default = ("window", "warmup", "save_every", "gdn_k_heads", "gdn_v_heads", "gdn_k_dim", "gdn_v_dim")
     for name in ("seq_len", "batch_size", "grad_accum", "steps", "n_layer", "n_head", "n_kv_head", "n_embd", "tiles",
-                 "window", "warmup", "save_every"):
-        least = 0 if name in ("window", "warmup", "save_every") else 1  # window 0: full; save_every 0: at the end
+                 *zero_means_default):
+        least = 0 if name in zero_means_default else 1  # window 0: full; save_every 0: at the end
         if getattr(args, name) < least:
             fail(f"--{name.replace('_', '-')} {getattr(args, name)} must be at least {least}")
     for name, zero_allowed in (("lr", False), ("weight_decay", True), ("grad_clip", True), ("timeout", False)):
@@ -416,22 +422,24 @@ def check_args(args, world_size):
     if args.ring < 1 or args.sp % args.ring:
         choices = ", ".join(str(r) for r in range(1, args.sp + 1) if args.sp % r == 0)
         fail(f"--ring {args.ring} does not divide --sp {args.sp}; choose --ring in {{{choices}}}")
-    if args.ring > 1:
-        for flag, used, why in (("--pack", args.pack, "the ring attends one document a row"),
-                                ("--compile", args.compile, "the ring's sends are not traced"),
-                                ("Gated DeltaNet layers (d in --layer-pattern)", "d" in args.layer_pattern,
-                                 "their recurrence needs the tokens in order")):
-            if used:
-                fail(f"--ring {args.ring} cannot be used with {flag}: {why}; use --ring 1")
+    if args.ring > 1 and (refused := ring_allowed(args, why=True)):
+        fail(f"--ring {args.ring} cannot be used with {refused}; use --ring 1")
     if args.sp // args.ring > args.n_head:  # a Ulysses rank would hold no head
-        rings = [r for r in range(1, args.sp + 1) if args.sp % r == 0 and args.sp // r <= args.n_head]
+        sps = [p for p in range(1, min(world_size, args.n_head) + 1) if world_size % p == 0]
+        rings = [r for r in range(2, args.sp + 1) if args.sp % r == 0 and args.sp // r <= args.n_head]
+        ring_too = f", or --ring in {{{', '.join(map(str, rings))}}}" if ring_allowed(args) else ""
         fail(f"--sp {args.sp} with --ring {args.ring} puts {args.sp // args.ring} ranks in each Ulysses group, more than "
-             f"--n-head {args.n_head}: a rank would hold no head; choose --ring in {{{', '.join(map(str, rings))}}}")
+             f"--n-head {args.n_head}: a rank would hold no head; choose --sp in {{{', '.join(map(str, sps))}}}"
+             f"{ring_too}")
     try:
-        model_config(args)
+        cfg = model_config(args)
         ulysses.head_layout(args.n_head, args.n_kv_head, args.sp // args.ring)
     except ValueError as e:
         fail(e)
+    if "d" in args.layer_pattern and args.sp > cfg.gdn_v_heads:
+        valid = ", ".join(str(p) for p in range(1, cfg.gdn_v_heads + 1))
+        fail(f"--sp {args.sp} is larger than the {cfg.gdn_v_heads} value heads of a Gated DeltaNet layer: a rank would "
+             f"hold none; choose --sp in {{{valid}}} or more --gdn-v-heads")
     if args.offload and not args.recompute:
         fail("--offload keeps the block inputs that --recompute saves in CPU memory; add --recompute")
     if args.device == "cuda" and not torch.cuda.is_available() and args.plan is None:
@@ -447,6 +455,18 @@ def check_args(args, world_size):
     for flag, directory in (("--out-dir", args.out_dir), ("--metrics", metrics_dir)):
         if directory is not None and not os.access(directory, os.W_OK):
             fail(f"{flag}: cannot write into {directory}")
+
+
+def ring_allowed(args, why=False):
+    """True if a ring can run with these flags; with why=True, the first flag that refuses one and the reason
+    (an empty string if none does)."""
+    for flag, used, reason in (("--pack", args.pack, "the ring attends one document a row"),
+                               ("--compile", args.compile, "the ring's sends are not traced"),
+                               ("Gated DeltaNet layers (d in --layer-pattern)", "d" in args.layer_pattern,
+                                "their recurrence needs the tokens in order")):
+        if used:
+            return f"{flag}: {reason}" if why else False
+    return "" if why else True
 
 
 def collective_failure(error, rank, step, args):
@@ -480,7 +500,8 @@ def predict_memory(cfg, tokens, batch, sp, ring_size, world_size, zero, cuda, bf
     What a layer keeps for backward is counted tensor by tensor, in elements per local token, as autograd saves
     it on CPU in float32 (torch.autograd.graph.saved_tensors_hooks, storages counted once); bf16 takes the same
     counts at two bytes each, but four for what stays float32 (the residual stream, the norms, Gated DeltaNet's
-    kernel). On CPU that comes out between 2% below and 13% above the measured peak; no GPU has checked it."""
+    kernel). On CPU that comes out between 2% below and 13% above the measured peak (with a ring, 1% below to 30%
+    above: the ring's query tiles are counted at their largest); no GPU has checked it."""
     with torch.device("meta"):
         model = GPT(cfg)
     n_params = sum(p.numel() for p in model.parameters())
@@ -497,18 +518,27 @@ def predict_memory(cfg, tokens, batch, sp, ring_size, world_size, zero, cuda, bf
     # which without all-to-alls is the kernel's output itself, but keeps the whole qkv output alive (v is a view of
     # it) beside the rotated q and k; the all-to-alls make new tensors of them all
     attention = (q + 2 * kv) + q + H + (q + kv if U == 1 else h)
-    # a ring's backward holds, for one query tile at a time, its float32 probabilities and their gradient against
-    # a key block, and the key/value block, the one arriving, and two float32 dk/dv accumulators
+    # a ring's backward holds, for one query tile at a time, its float32 probabilities, their gradient and a copy
+    # einsum makes of one of them, against a key block; dq in float32 (in bf16 also float32 copies of q, of the output's gradient and of the output);
+    # the key/value block and the one arriving, three float32 dk/dv accumulators (this step's, the one arriving,
+    # the one still being sent), and in bf16 the block's keys and values in float32
     tile = min(ring.QUERY_TILE, tokens // batch * U)  # queries: a tile, or the kernel's whole sequence
-    ring_backward = 8 * tile * q / D + 2 * kv * (2 * e + 8) if ring_size > 1 else 0
-    # Gated DeltaNet (chunks of C = 64 tokens): the in_proj output (z is a view of it), o, o * rstd, norm(o),
-    # silu(z) and the projection's input (9h); the conv's padded input, output and silu (9h); the chunked kernel's
-    # padded q, k, v, five matmul operands, the solve's output (2h), k * decay, u and U (13h); seven C x C
-    # matrices a head (the decays, k k^T and its gated forms, the solve's input, q k^T and q k^T * decay); 16
-    # numbers a head (gates, norms, decays); the carried state [D, D] a head once a chunk, twice; C + 2 masks
-    # of one byte. All but the first 9h are float32 in bf16 too: gated_delta_net runs with autocast off.
-    C = 64
-    deltanet = 9 * h + wide * (22 * h + 7 * C * H + 16 * H + 2 * D * D * H / C) + (C + 2) / e
+    bf16_copies = 1 if e == 2 else 0
+    ring_backward = (12 * tile * q / D + 4 * q * (1 + 3 * bf16_copies) + 2 * kv * (2 * e + 12 + 4 * bf16_copies)
+                     if ring_size > 1 else 0)
+    # Gated DeltaNet (chunks of C = 64 tokens), with kd and vd the key and value elements of a token (heads x dim)
+    # and kv = Hv x Dk, q or k repeated for every value head: the in_proj output (z is a view of it), o, o * rstd,
+    # norm(o), silu(z) and the projection's input (2kd + 7vd); the conv's padded input, output and silu (3 x (2kd +
+    # vd)); the chunked kernel's scaled, padded and gated q and k, the k half of the solve's input and output, k *
+    # decay and q * decay (7kv), and its padded and gated v, the v half of the solve's input and output, u and U
+    # (6vd); q and k repeated for the value heads when there are fewer key heads (2kv); seven C x C matrices a head
+    # (the decays, k k^T and its gated forms, the solve's input, q k^T and q k^T * decay); 16 numbers a head (gates,
+    # norms, decays); the carried state [Dk, Dv] a head once a chunk, twice; C + 2 masks of one byte. All but the
+    # first 2kd + 7vd are float32 in bf16 too: gated_delta_net runs with autocast off.
+    C, Hk, Hv, Dk, Dv = 64, cfg.gdn_k_heads, cfg.gdn_v_heads, cfg.gdn_k_dim, cfg.gdn_v_dim
+    kd, vd, kv = Hk * Dk, Hv * Dv, Hv * Dk
+    kernel = 7 * kv + 6 * vd + (2 * kv if Hk < Hv else 0) + 7 * C * Hv + 16 * Hv + 2 * Dk * Dv * Hv / C
+    deltanet = 2 * kd + 7 * vd + wide * (3 * (2 * kd + vd) + kernel) + (C + 2) / e
     kept = {"a": norms + attention + mlp, "d": norms + deltanet + mlp}
     layers = [kept[block.kind] for block in model.blocks]
     blocks = tokens * e * (cfg.n_layer * h * wide if cfg.recompute else sum(layers))  # kept until backward
@@ -545,10 +575,15 @@ def memory_verdict(args, world_size, memory, cuda):
         longest *= 2
     for step in (longest // 2**k for k in range(1, 7)):  # to within 1/64
         longest += step if peak(seq_len=longest + step) <= memory else 0
-    # every rank in one SP group, with the smallest ring that leaves no Ulysses rank without a head
-    rings = min(r for r in range(1, world_size + 1) if world_size % r == 0 and world_size // r <= args.n_head)
+    # the most ranks in one SP group: all of them, with the smallest ring that leaves every Ulysses rank a head,
+    # where a ring can run; else as many as there are heads
+    if ring_allowed(args):
+        sp = world_size
+        rings = min(r for r in range(1, sp + 1) if sp % r == 0 and sp // r <= args.n_head)
+    else:
+        sp, rings = max(p for p in range(1, min(world_size, args.n_head) + 1) if world_size % p == 0), 1
     options = {"--recompute": {"recompute": True}, "--tiles 16": {"tiles": max(16, args.tiles)},
-               f"--sp {world_size}" + f" --ring {rings}" * (rings > 1): {"sp": world_size, "ring": rings}}
+               f"--sp {sp}" + f" --ring {rings}" * (rings > 1): {"sp": sp, "ring": rings}}
     others = [f"{flags}: {peak(**change) / 2**30:,.1f} GiB" for flags, change in options.items()
               if any(getattr(args, k) != v for k, v in change.items())]  # those that change something
     m, gib = predicted(args, world_size, cuda), lambda b: f"{b / 2**30:,.1f} GiB"
@@ -656,15 +691,15 @@ def summarize(args, history, model, optimizer, n_params, world_size, device, ran
     how = "torch.cuda.max_memory_allocated" if device.type == "cuda" else "MemTracker, last step"
     print(f"peak tensor memory per rank (max over ranks, {how}): {mib(peak)} (predicted "
           f"{mib(predicted(args, world_size)['peak'])})")
-    calls = lambda direction: sent[direction]["calls"] / (len(history) * args.grad_accum * args.n_layer)
-    measured = lambda: (sent["forward"]["bytes"] + sent["backward"]["bytes"]) / len(history)
-    print(f"all-to-all of rank 0 per step: {measured():,.0f} bytes sent (formula {formula:,} bytes); calls per layer "
-          f"per micro-step: {calls('forward'):g} forward, {calls('backward'):g} backward")
+    calls = lambda stats, phase: stats[phase]["calls"] / (len(history) * args.grad_accum * args.n_layer)
+    measured = lambda stats: (stats["forward"]["bytes"] + stats["backward"]["bytes"]) / len(history)
+    print(f"all-to-all of rank 0 per step: {measured(sent):,.0f} bytes sent (formula {formula:,} bytes); calls per "
+          f"layer per micro-step: {calls(sent, 'forward'):g} forward, {calls(sent, 'backward'):g} backward")
     if args.ring > 1:
-        sent = ring.ring_stats  # what calls() and measured() read from here on
+        sent = ring.ring_stats
         formula = count(block.attn.ring_bytes(tokens, element_bytes, args.ring) for block in model.blocks)
-        print(f"ring of rank 0 per step: {measured():,.0f} bytes sent (formula {formula:,} bytes); sends per layer "
-              f"per micro-step: {calls('forward'):g} forward, {calls('backward'):g} backward")
+        print(f"ring of rank 0 per step: {measured(sent):,.0f} bytes sent (formula {formula:,} bytes); sends per "
+              f"layer per micro-step: {calls(sent, 'forward'):g} forward, {calls(sent, 'backward'):g} backward")
     heads = [len(r) for r in ulysses.head_layout(args.n_head, args.n_kv_head, args.sp // args.ring)[0]]
     if len(set(heads)) > 1:  # uneven: the rank with the most heads does the most attention work
         print(f"query heads per Ulysses rank {heads}: the busiest rank does {max(heads) * len(heads) / sum(heads):.2f}x "
