@@ -453,7 +453,8 @@ def ring_(args):
           f"a ring never, but each rank sends (R-1)/R of the sequence's k and v twice and all their float32 "
           f"gradients once, which grows towards {kv_bytes * 3 / 2**20:,.0f} MiB per layer with R "
           f"(ring.ring_bytes); USP: Ulysses up to {H} ranks, times a ring of any R", flush=True)
-    print(f"\ncausal work per ring rank, query-key pairs computed over the R steps (ring.ring_work), S={S}:")
+    print(f"\ncausal work per ring rank, query-key pairs in the cut of each block over the R steps (ring.ring_work), "
+          f"S={S}:")
     print(f"{'R':>2} {'contiguous: least':>18} {'most':>12} {'zigzag: every rank':>19}")
     for R in (2, 4, 8):
         contiguous, zigzag = (ring.ring_work(R, S // R, layout) for layout in ("contiguous", "zigzag"))
