@@ -4,6 +4,7 @@ Train a small GPT with Ulysses sequence parallelism (SP), data parallelism (DP) 
     python train.py                                             # one process (dp 1 x sp 1)
     torchrun --standalone --nproc_per_node=4 train.py           # dp 1 x sp 4 (--sp defaults to all ranks)
     torchrun --standalone --nproc_per_node=4 train.py --sp 2    # dp 2 x sp 2
+    torchrun --standalone --nproc_per_node=4 train.py --sp 4 --ring 2 --n-head 2  # Ulysses 2 x ring 2 (ring.py)
     torchrun --nnodes=2 --node_rank=0 --master_addr=HOST --master_port=29500 --nproc_per_node=8 \
         train.py --sp 8 --n-head 8                              # two nodes (node_rank=1 on the other)
     python train.py --data input.txt                            # any text file, as bytes (vocab 256)
