@@ -25,8 +25,8 @@ import torch.utils.checkpoint
 from ring import ring_attention, ring_bytes
 from tiled import at_least_float32, tiled_lm_loss, tiled_mlp
 from ulysses import (all_to_all_bytes, causal_attention, check_shards, document_attention, document_bounds,
-                     gather_sequence, head_layout, heads_to_seq, kernel_kv_heads, sliding_window_attention, seq_to_heads,
-                     size_and_rank, ulysses_attention)
+                     gather_sequence, head_layout, heads_to_seq, kernel_kv_heads, sliding_window_attention,
+                     seq_to_heads, size_and_rank, ulysses_attention)
 
 
 @dataclass
@@ -286,7 +286,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, starts=None, chunk_size=64):
     the same document (else 0). The corrected values U (u_t = beta_t (v_t - M_{t-1}^T k_t)) solve a triangular
     system, (I + A) U = beta V - beta exp(G) K M0 with A[t, s] = beta_t Dec[t, s] k_t.k_s for s < t, so
         U = U~ - W M0,   U~ = (I + A)^-1 beta V,   W = (I + A)^-1 beta exp(G) K       (the UT transform)
-        O = (exp(G) Q M0 + (Q K^T * Dec) U) / sqrt(D)                     (the carried state, then the chunk)
+        O = (exp(G) Q M0 + (Q K^T * Dec) U) / sqrt(Dk)                    (the carried state, then the chunk)
         M_next = exp(G_C) M0 + (K * exp(G_C - G))^T U                      (the state handed on)
     A document start zeroes every decay that crosses it, exp(G) and exp(G_C - G) included.
     """
@@ -298,7 +298,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, starts=None, chunk_size=64):
         x = F.pad(x.transpose(1, 2), (0, 0) * (x.dim() - 3) + (0, n * C - S))
         return x.reshape(B, H, n, C, *x.shape[3:])
 
-    q, k, v, g, beta = map(chunked, (q * Dk ** -0.5, k, v, g, beta))  # q, k, v: (B, H, n, C, Dk or Dv); g, beta: (B, H, n, C)
+    q, k, v, g, beta = map(chunked, (q * Dk ** -0.5, k, v, g, beta))  # (B, H, n, C, Dk or Dv); g, beta (B, H, n, C)
     starts = torch.zeros(B, S, dtype=torch.bool, device=q.device) if starts is None else starts
     document = F.pad(starts, (0, n * C - S)).reshape(B, 1, n, C).cumsum(-1)  # (B, 1, n, C): 0 = the one entered
     G = g.cumsum(-1)  # (B, H, n, C)
@@ -374,7 +374,7 @@ class GatedDeltaNet(nn.Module):
     def __init__(self, cfg, sp_group):
         super().__init__()
         Hk, Hv, Dk, Dv = cfg.gdn_k_heads, cfg.gdn_v_heads, cfg.gdn_k_dim, cfg.gdn_v_dim
-        self.shape, self.sp_group = (Hk, Hv, Dk, Dv), sp_group
+        self.dims, self.sp_group = (Hk, Hv, Dk, Dv), sp_group
         # q, k (Hk*Dk each), v, z (Hv*Dv each), b, a (Hv each)
         self.in_proj = nn.Linear(cfg.n_embd, 2 * Hk * Dk + 2 * Hv * Dv + 2 * Hv, bias=False)
         W = cfg.conv_width
@@ -389,12 +389,12 @@ class GatedDeltaNet(nn.Module):
     def heads(self):
         """(value heads, key heads) of each rank between the all-to-alls: head_layout with value heads in the role
         of query heads, since value head h uses key head h // (Hv / Hk)."""
-        Hk, Hv, _, _ = self.shape
+        Hk, Hv, _, _ = self.dims
         return head_layout(Hv, Hk, size_and_rank(self.sp_group)[0])
 
     def forward(self, x, cos, sin, attend):
         B, S_local, _ = x.shape
-        Hk, Hv, Dk, Dv = self.shape
+        Hk, Hv, Dk, Dv = self.dims
         q, k, v, z, b, a = self.in_proj(x).split([Hk * Dk, Hk * Dk, Hv * Dv, Hv * Dv, Hv, Hv], dim=-1)
         q, k = (t.view(B, S_local, Hk, Dk) for t in (q, k))  # (B, S_local, Hk, Dk)
         v, z = (t.view(B, S_local, Hv, Dv) for t in (v, z))  # (B, S_local, Hv, Dv)
@@ -403,7 +403,7 @@ class GatedDeltaNet(nn.Module):
         mine_v, mine_k = value_heads[rank], key_heads[rank]
         q, k, v, b, a = seq_to_heads((q, k, v, b[..., None], a[..., None]), self.sp_group,
                                      (key_heads, key_heads, value_heads, value_heads, value_heads))  # (B, S, h, *)
-        key_of_value = [h // (Hv // Hk) - mine_k.start for h in mine_v]
+        key_of_value = [h // (Hv // Hk) - mine_k.start for h in mine_v] if Hk < Hv else None
         conv = torch.cat([self.conv_qk[:, mine_k.start:mine_k.stop].flatten(0, 2),
                           self.conv_v[mine_v.start:mine_v.stop].flatten(0, 1)])  # (2*hk*Dk + hv*Dv, W): my channels
         o = attend(q, k, v, b, a, conv, self.A_log[mine_v.start:mine_v.stop], self.dt_bias[mine_v.start:mine_v.stop],
@@ -414,7 +414,7 @@ class GatedDeltaNet(nn.Module):
     def all_to_all_bytes(self, tokens, element_bytes):
         """(forward, backward) bytes this rank sends per call: q and k (Dk each) to the other ranks' key heads, v
         (Dv), b and a (one each) to their value heads, and the output (Dv) back; backward the reverse."""
-        _, _, Dk, Dv = self.shape
+        _, _, Dk, Dv = self.dims
         value_heads, key_heads = self.heads()
         rank = size_and_rank(self.sp_group)[1]
         (k_there, k_back), (v_there, v_back), (o_there, o_back) = (

@@ -155,7 +155,7 @@ def block_attention(q, k, v, lo, hi):
 
 def merge(out, lse, block_out, block_lse):
     """Fold one block's result into the running one, in place: the exact softmax over the keys of both."""
-    out.sub_(torch.sigmoid(block_lse - lse)[..., None] * (out - block_out))  # o_a + w_b (o_b - o_a), w_b = e^lse_b/e^lse
+    out.sub_(torch.sigmoid(block_lse - lse)[..., None] * (out - block_out))  # o_a + w (o_b - o_a), w = e^lse_b / e^lse
     lse.sub_(F.logsigmoid(lse - block_lse))  # log(e^lse_a + e^lse_b) = lse_a - log sigmoid(lse_a - lse_b)
 
 

@@ -815,8 +815,8 @@ def test_gated_deltanet_layer_under_sp(world_size):
 
 
 def test_gated_deltanet_runs_in_float32_under_bf16(monkeypatch):
-    """Under bf16 autocast, with bf16 inputs, the recurrence gets float32 q, k, v, gates and beta (so its state
-    and cumulative decays are float32), and the output comes back in bf16."""
+    """Under bf16 autocast, with bf16 inputs, the chunked kernel gets float32 q, k, v, gates and beta (so its
+    state, cumulative decays and triangular solve are float32), and the output comes back in bf16."""
     seen = []
 
     def recording(q, k, v, g, beta, starts=None):
@@ -825,13 +825,14 @@ def test_gated_deltanet_runs_in_float32_under_bf16(monkeypatch):
 
     chunk = gpt.chunk_gated_delta_rule
     monkeypatch.setattr(gpt, "chunk_gated_delta_rule", recording)
-    layer = gpt.GatedDeltaNet(GPTConfig(n_head=4, n_embd=32, gdn_k_heads=2, gdn_v_heads=4), None).to(torch.bfloat16)
+    layer = gpt.GatedDeltaNet(GPTConfig(n_head=4, n_embd=32, gdn_k_heads=2, gdn_v_heads=4, gdn_v_dim=12), None).to(torch.bfloat16)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        out = gpt.gated_delta_net(*(torch.randn(1, 16, h, d, dtype=torch.bfloat16) for h, d in ((2, 8), (2, 8), (4, 8))),
+        out = gpt.gated_delta_net(*(torch.randn(1, 16, h, d, dtype=torch.bfloat16)
+                                    for h, d in ((2, 8), (2, 8), (4, 12))),
                                   *(torch.randn(1, 16, 4, 1, dtype=torch.bfloat16) for _ in range(2)),
                                   torch.cat([layer.conv_qk.flatten(0, 2), layer.conv_v.flatten(0, 1)]), layer.A_log,
                                   layer.dt_bias, [0, 0, 1, 1])
-    assert seen == [torch.float32] * 5 and out.dtype == torch.bfloat16 and out.shape == (1, 16, 4, 8)
+    assert seen == [torch.float32] * 5 and out.dtype == torch.bfloat16 and out.shape == (1, 16, 4, 12)
 
 
 # ================================================================================================================
@@ -958,7 +959,8 @@ def test_training_on_text_learns(tmp_path, pack):
 # train.py: the same global batch gives the same training, whatever the layout; memory as predicted
 
 TRAIN_ARGS = ["--steps", "20", "--n-layer", "2", "--n-embd", "32", "--lr", "3e-3", "--grad-clip", "0.2"]
-QWEN3_NEXT_RATIOS = ["--gdn-k-heads", "2", "--gdn-v-heads", "4"]  # its 16 key and 32 value heads, scaled down
+# a key head for every two value heads (Qwen3-Next: 16 and 32), and value heads wider than key heads (12 and 8)
+GDN_SHAPE = ["--gdn-k-heads", "2", "--gdn-v-heads", "4", "--gdn-v-dim", "12"]
 LAYOUTS = {  # each with a global batch of 8 sequences: dp * batch-size * grad-accum
     "sp4": ["--sp", "4", "--batch-size", "8"],  # --zero 3 is the default with 4 ranks
     "dp2xsp2 accum": ["--sp", "2", "--batch-size", "2", "--grad-accum", "2"],
@@ -1028,8 +1030,9 @@ def test_ring_summary_plan_and_memory(capsys, monkeypatch):
     assert done.returncode == 0, done.stderr[-2000:]
     assert re.search(r"ring of rank 0 per step: ([\d,]+) bytes sent \(formula \1 bytes\); sends per layer per "
                      r"micro-step: 1 forward, 3 backward", done.stdout), done.stdout
-    assert train.main(["--plan", "64x80", "--sp", "64", "--ring", "8", "--n-layer", "32", "--n-embd", "4096", "--n-head",
-                       "32", "--n-kv-head", "8", "--batch-size", "1", "--tiles", "64", "--recompute", "--offload",
+    assert train.main(["--plan", "64x80", "--sp", "64", "--ring", "8", "--n-layer", "32", "--n-embd", "4096",
+                       "--n-head", "32", "--n-kv-head", "8", "--batch-size", "1", "--tiles", "64", "--recompute",
+                       "--offload",
                        "--seq-len", "1048576"])
     assert re.match(r"plan: 64 GPUs, sp 64 \(ulysses 8 x ring 8\), seq 1,048,576: fits: ", capsys.readouterr().out)
     argv = ["--sp", "4", "--ring", "2", "--seq-len", "4096", "--batch-size", "1"]
@@ -1117,13 +1120,13 @@ def test_bf16_training_matches_one_device(tmp_path):
 
 def test_bf16_loss_follows_float32(tmp_path):
     """50 steps on text, bf16 against float32, a hybrid model on one process (Gated DeltaNet with a key head for
-    every two value heads): the loss falls from 5.55 to about 1.8 nats in both, and the curves never part by
+    every two value heads, value dim 12): the loss falls from 5.55 to about 1.8 nats in both, and the curves never part by
     more than 0.01 nats (bf16 rounding moves a step's loss by about 1e-4 of itself; AdamW's updates let that grow
     a little over the steps)."""
     text = tmp_path / "text.txt"
     text.write_text(PARAGRAPHS)
     argv = ["--data", str(text), "--seq-len", "64", "--steps", "50", "--n-embd", "32", "--lr", "3e-3",
-            "--layer-pattern", "da"] + QWEN3_NEXT_RATIOS
+            "--layer-pattern", "da"] + GDN_SHAPE
     float32, bf16 = ([r["loss"] for r in train.main(argv + ["--dtype", dtype])] for dtype in ("float32", "bfloat16"))
     assert float32[-1] < 2.0 and bf16[-1] < 2.0
     torch.testing.assert_close(bf16, float32, rtol=0, atol=0.01)
@@ -1139,12 +1142,12 @@ def test_compiled_training_inductor(world_size, layout):
     _assert_same_training(compiled[0], eager[0], f"--compile on {world_size} ranks")
 
 
-@pytest.mark.parametrize("model", [["--layer-pattern", "dda", "--n-layer", "3", "--lr", "5e-4"] + QWEN3_NEXT_RATIOS,
+@pytest.mark.parametrize("model", [["--layer-pattern", "dda", "--n-layer", "3", "--lr", "5e-4"] + GDN_SHAPE,
                                    ["--layer-pattern", "ddda", "--n-layer", "4", "--pack"]],
-                         ids=["dda-qwen3-next-ratios", "ddda-packed"])
+                         ids=["dda-2k-4v-heads", "ddda-packed"])
 def test_training_a_hybrid_model(model):
     """Hybrid models: two Gated DeltaNet layers to one softmax layer with Qwen3-Next's ratios (a key head for
-    every two value heads, convolution 4), and three to one with packed documents: sp 4 and dp 2 x sp 2 give
+    every two value heads, convolution 4; value dim 12, key dim 8), and three to one with packed documents: sp 4 and dp 2 x sp 2 give
     the one-process losses and gradient norms over 20 steps, with ZeRO-3. The first at train.py's learning rate
     for Gated DeltaNet models, 5e-4: at 3e-3, AdamW grows the float32 rounding of two summation orders (a key
     head's gradient summed over its value heads before the convolution's backward on one device, after it under
@@ -1257,11 +1260,16 @@ def test_resume_on_any_layout(tmp_path, capsys):
 @pytest.mark.parametrize("world_size, argv, message", [
     (4, ["--sp", "3"], r"--sp 3 does not divide the world size 4; choose --sp in \{1, 2, 4\}"),
     (4, ["--n-head", "2", "--n-embd", "32"], r"--sp 4 with --ring 1 puts 4 ranks in each Ulysses group, more than "
-                                             r"--n-head 2: a rank would hold no head; choose --sp in \{1, 2\}, or --ring in "
-                                             r"\{2, 4\}"),
+                                             r"--n-head 2: a rank would hold no head; choose --sp in \{1, 2\}, or "
+                                             r"--ring in \{2, 4\}"),
     (4, ["--n-head", "2", "--n-embd", "32", "--layer-pattern", "da"],  # a ring cannot carry Gated DeltaNet
      r"a rank would hold no head; choose --sp in \{1, 2\}$"),
     (4, ["--ring", "3"], r"--ring 3 does not divide --sp 4; choose --ring in \{1, 2, 4\}"),
+    (1, ["--layer-pattern", "da", "--gdn-k-heads", "4", "--gdn-v-heads", "6"],
+     r"gdn_v_heads=6 is not a multiple of gdn_k_heads=4; choose gdn_v_heads in \{4, 8, 12, 16, \.\.\.\}"),
+    (4, ["--layer-pattern", "d", "--gdn-k-heads", "1", "--gdn-v-heads", "2"],
+     r"--sp 4 is larger than the 2 value heads of a Gated DeltaNet layer: a rank would hold none; choose --sp in "
+     r"\{1, 2\} or more --gdn-v-heads"),
     (4, ["--ring", "2", "--layer-pattern", "da"], r"--ring 2 cannot be used with Gated DeltaNet layers \(d in "
                                                   r"--layer-pattern\): their recurrence needs the tokens in order"),
     (4, ["--ring", "2", "--pack"], r"--ring 2 cannot be used with --pack: the ring attends one document a row"),

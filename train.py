@@ -180,7 +180,8 @@ def train(args, world_size, mesh, device, documents, checkpoint):
     start_step = restore(checkpoint, model, zero, optimizer, rank) if checkpoint else 0
     if rank == 0:
         usp = f" (ulysses {args.sp // args.ring} x ring {args.ring})" if args.ring > 1 else ""
-        print(f"world {world_size} = dp {dp} x sp {args.sp}{usp} | zero {args.zero} | {n_params / 1e6:.2f}M parameters | "
+        print(f"world {world_size} = dp {dp} x sp {args.sp}{usp} | zero {args.zero} | {n_params / 1e6:.2f}M parameters "
+              f"| "
               f"seq {args.seq_len} | global batch {dp * args.batch_size * args.grad_accum} sequences | {device} | "
               f"{args.dtype} | predicted peak {predicted(args, world_size)['peak'] / 2**20:,.2f} MiB per rank")
 
@@ -285,11 +286,14 @@ def local_tokens(args):
 
 
 def model_config(args):
-    return GPTConfig(**model_flags(args), tiles=args.tiles, recompute=args.recompute, offload=args.offload)
+    return GPTConfig(**{name: getattr(args, name) for name in MODEL_FIELDS}, tiles=args.tiles,
+                     recompute=args.recompute, offload=args.offload)
 
 
 def model_flags(args):
-    return {name: getattr(args, name) for name in MODEL_FIELDS}
+    """What shapes the model, as GPTConfig resolves it (so --gdn-k-heads 0 and the head count it stands for agree)."""
+    cfg = model_config(args)
+    return {name: getattr(cfg, name) for name in MODEL_FIELDS}
 
 
 # ================================================================================================================
@@ -335,7 +339,7 @@ def find_checkpoint(args, world_size):
     trainer = load("trainer.pt")
     if not (isinstance(trainer, dict) and {"step", "world_size", "zero", "model", "data", "rng"} <= trainer.keys()):
         fail(f"checkpoint {path} is unreadable (truncated, or not written by train.py): trainer.pt: no trainer state")
-    if trainer["model"] != model_flags(args):
+    if {**model_flags(args), **trainer["model"]} != model_flags(args):  # a field the checkpoint lacks: as resolved
         fail(f"checkpoint {path} holds a model with {trainer['model']}; the flags ask for {model_flags(args)}")
     if int(os.environ.get("RANK", 0)) == 0 and trainer["data"] != data_flags(args, world_size):
         print(f"note: the checkpoint was trained with {trainer['data']}; this run has {data_flags(args, world_size)}, "
@@ -425,16 +429,17 @@ def check_args(args, world_size):
         fail(f"--ring {args.ring} does not divide --sp {args.sp}; choose --ring in {{{choices}}}")
     if args.ring > 1 and (refused := ring_allowed(args, why=True)):
         fail(f"--ring {args.ring} cannot be used with {refused}; use --ring 1")
-    if args.sp // args.ring > args.n_head:  # a Ulysses rank would hold no head
+    if "a" in args.layer_pattern and args.sp // args.ring > args.n_head:  # a Ulysses rank would hold no head
         sps = [p for p in range(1, min(world_size, args.n_head) + 1) if world_size % p == 0]
         rings = [r for r in range(2, args.sp + 1) if args.sp % r == 0 and args.sp // r <= args.n_head]
         ring_too = f", or --ring in {{{', '.join(map(str, rings))}}}" if ring_allowed(args) else ""
-        fail(f"--sp {args.sp} with --ring {args.ring} puts {args.sp // args.ring} ranks in each Ulysses group, more than "
-             f"--n-head {args.n_head}: a rank would hold no head; choose --sp in {{{', '.join(map(str, sps))}}}"
+        fail(f"--sp {args.sp} with --ring {args.ring} puts {args.sp // args.ring} ranks in each Ulysses group, more "
+             f"than --n-head {args.n_head}: a rank would hold no head; choose --sp in {{{', '.join(map(str, sps))}}}"
              f"{ring_too}")
     try:
         cfg = model_config(args)
-        ulysses.head_layout(args.n_head, args.n_kv_head, args.sp // args.ring)
+        if "a" in args.layer_pattern:
+            ulysses.head_layout(args.n_head, args.n_kv_head, args.sp // args.ring)
     except ValueError as e:
         fail(e)
     if "d" in args.layer_pattern and args.sp > cfg.gdn_v_heads:
@@ -520,26 +525,32 @@ def predict_memory(cfg, tokens, batch, sp, ring_size, world_size, zero, cuda, bf
     # it) beside the rotated q and k; the all-to-alls make new tensors of them all
     attention = (q + 2 * kv) + q + H + (q + kv if U == 1 else h)
     # a ring's backward holds, for one query tile at a time, its float32 probabilities, their gradient and a copy
-    # einsum makes of one of them, against a key block; dq in float32 (in bf16 also float32 copies of q, of the output's gradient and of the output);
-    # the key/value block and the one arriving, three float32 dk/dv accumulators (this step's, the one arriving,
-    # the one still being sent), and in bf16 the block's keys and values in float32
+    # einsum makes of one of them, against a key block; dq in float32 (in bf16 also float32 copies of q, of the
+    # output's gradient and of the output); the key/value block and the one arriving, three float32 dk/dv
+    # accumulators (this step's, the one arriving, the one still being sent), and in bf16 the block's keys and
+    # values in float32
     tile = min(ring.QUERY_TILE, tokens // batch * U)  # queries: a tile, or the kernel's whole sequence
     bf16_copies = 1 if e == 2 else 0
     ring_backward = (12 * tile * q / D + 4 * q * (1 + 3 * bf16_copies) + 2 * kv * (2 * e + 12 + 4 * bf16_copies)
                      if ring_size > 1 else 0)
-    # Gated DeltaNet (chunks of C = 64 tokens), with kd and vd the key and value elements of a token (heads x dim)
-    # and kv = Hv x Dk, q or k repeated for every value head: the in_proj output (z is a view of it), o, o * rstd,
-    # norm(o), silu(z) and the projection's input (2kd + 7vd); the conv's padded input, output and silu (3 x (2kd +
-    # vd)); the chunked kernel's scaled, padded and gated q and k, the k half of the solve's input and output, k *
-    # decay and q * decay (7kv), and its padded and gated v, the v half of the solve's input and output, u and U
-    # (6vd); q and k repeated for the value heads when there are fewer key heads (2kv); seven C x C matrices a head
-    # (the decays, k k^T and its gated forms, the solve's input, q k^T and q k^T * decay); 16 numbers a head (gates,
-    # norms, decays); the carried state [Dk, Dv] a head once a chunk, twice; C + 2 masks of one byte. All but the
-    # first 2kd + 7vd are float32 in bf16 too: gated_delta_net runs with autocast off.
-    C, Hk, Hv, Dk, Dv = 64, cfg.gdn_k_heads, cfg.gdn_v_heads, cfg.gdn_k_dim, cfg.gdn_v_dim
-    kd, vd, kv = Hk * Dk, Hv * Dv, Hv * Dk
-    kernel = 7 * kv + 6 * vd + (2 * kv if Hk < Hv else 0) + 7 * C * Hv + 16 * Hv + 2 * Dk * Dv * Hv / C
-    deltanet = 2 * kd + 7 * vd + wide * (3 * (2 * kd + vd) + kernel) + (C + 2) / e
+    # Gated DeltaNet (chunks of C = 64 tokens), per local token: kd and vd, the key and value elements (heads x
+    # dim) of the local token; kd_ and vd_, those the kernel's heads hold on this rank (heads x sp x dim, the
+    # busiest rank, key heads that go to several ranks counted on each); kv = vd_ / Dv x Dk, q or k for each
+    # value head. The in_proj output (z is a view of it), o, o * rstd, norm(o), silu(z) and the projection's input
+    # (2kd + 7vd); the conv's padded input, output and silu (3 x (2kd_ + vd_)); the chunked kernel's scaled,
+    # padded and gated q and k, the solve's k half and k * decay (5kv), and its padded v, the solve's v half, u
+    # and U (4vd_); seven C x C matrices a head (the decays, k k^T and its gated forms, the solve's input, q k^T
+    # and q k^T * decay); 16 numbers a head (gates, norms, decays); the carried state [Dk, Dv] a head once a
+    # chunk, twice; C + 2 masks of one byte. All but the first 2kd + 7vd are float32 in bf16 too:
+    # gated_delta_net runs with autocast off.
+    C, Dk, Dv = 64, cfg.gdn_k_dim, cfg.gdn_v_dim
+    kd, vd = cfg.gdn_k_heads * Dk, cfg.gdn_v_heads * Dv
+    value_heads, key_heads = ulysses.head_layout(cfg.gdn_v_heads, cfg.gdn_k_heads, sp) if "d" in cfg.layer_pattern \
+        else ([range(cfg.gdn_v_heads)], [range(cfg.gdn_k_heads)])
+    hv, hk = (max(map(len, heads)) * sp for heads in (value_heads, key_heads))  # kernel heads, per local token
+    kd_, vd_, kv = hk * Dk, hv * Dv, hv * Dk
+    kernel = 5 * kv + 4 * vd_ + 7 * C * hv + 16 * hv + 2 * Dk * Dv * hv / C
+    deltanet = 2 * kd + 7 * vd + wide * (3 * (2 * kd_ + vd_) + kernel) + (C + 2) / e
     kept = {"a": norms + attention + mlp, "d": norms + deltanet + mlp}
     layers = [kept[block.kind] for block in model.blocks]
     blocks = tokens * e * (cfg.n_layer * h * wide if cfg.recompute else sum(layers))  # kept until backward
@@ -563,8 +574,8 @@ def predict_memory(cfg, tokens, batch, sp, ring_size, world_size, zero, cuda, bf
 def predicted(args, world_size, cuda=None, **changed):
     """predict_memory for a run with these flags (some of them changed)."""
     args = argparse.Namespace(**{**vars(args), **changed})
-    return predict_memory(model_config(args), local_tokens(args), args.batch_size, args.sp, args.ring, world_size, args.zero,
-                          args.device == "cuda" if cuda is None else cuda, args.dtype == "bfloat16")
+    return predict_memory(model_config(args), local_tokens(args), args.batch_size, args.sp, args.ring, world_size,
+                          args.zero, args.device == "cuda" if cuda is None else cuda, args.dtype == "bfloat16")
 
 
 def memory_verdict(args, world_size, memory, cuda):
@@ -703,7 +714,8 @@ def summarize(args, history, model, optimizer, n_params, world_size, device, ran
               f"layer per micro-step: {calls(sent, 'forward'):g} forward, {calls(sent, 'backward'):g} backward")
     heads = [len(r) for r in ulysses.head_layout(args.n_head, args.n_kv_head, args.sp // args.ring)[0]]
     if len(set(heads)) > 1:  # uneven: the rank with the most heads does the most attention work
-        print(f"query heads per Ulysses rank {heads}: the busiest rank does {max(heads) * len(heads) / sum(heads):.2f}x "
+        print(f"query heads per Ulysses rank {heads}: the busiest rank does "
+              f"{max(heads) * len(heads) / sum(heads):.2f}x "
               f"the mean attention work")
 
 

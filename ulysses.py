@@ -132,8 +132,8 @@ def ulysses_attention(q, k, v, group=None, attn_fn=None, **attn_kwargs):
     them. It defaults to causal attention; sliding_window_attention takes window=..., document_attention the
     position ids of the FULL sequence: ulysses_attention(q, k, v, group, document_attention,
     position_ids=gather_sequence(position_ids, group)). ring.ring_attention over a ring group makes it Ulysses x
-    Ring. group=None or a group of one rank runs attn_fn directly. q, k and v travel in one all-to-all (the exchange of the previous section, generalized in the
-    next) and the output in one more; backward the same.
+    Ring. group=None or a group of one rank runs attn_fn directly. q, k and v travel in one all-to-all (the
+    exchange of the previous section, generalized in the next) and the output in one more; backward the same.
     """
     attn_fn = attn_fn or causal_attention
     P, rank = size_and_rank(group)
