@@ -539,8 +539,10 @@ def predict_memory(cfg, tokens, batch, sp, ring_size, world_size, zero, cuda, bf
     # value head. The in_proj output (z is a view of it), o, o * rstd, norm(o), silu(z) and the projection's input
     # (2kd + 7vd); the conv's padded input, output and silu (3 x (2kd_ + vd_)); the chunked kernel's scaled,
     # padded and gated q and k, the solve's k half and k * decay (5kv), and its padded v, the solve's v half, u
-    # and U (4vd_); seven C x C matrices a head (the decays, k k^T and its gated forms, the solve's input, q k^T
-    # and q k^T * decay); 16 numbers a head (gates, norms, decays); the carried state [Dk, Dv] a head once a
+    # and U (4vd_), which autograd keeps, and 2kv + 2vd_ more that its backward holds at once at its peak (a
+    # measurement: `python bench.py memory --seq-lens 4096 --flags --layer-pattern ddda` is 2% to 7% under the
+    # peak without them); seven C x C matrices a head (the decays, k k^T and its gated forms, the solve's input,
+    # q k^T and q k^T * decay); 16 numbers a head (gates, norms, decays); the carried state [Dk, Dv] a head once a
     # chunk, twice; C + 2 masks of one byte. All but the first 2kd + 7vd are float32 in bf16 too:
     # gated_delta_net runs with autocast off.
     C, Dk, Dv = 64, cfg.gdn_k_dim, cfg.gdn_v_dim
@@ -549,7 +551,7 @@ def predict_memory(cfg, tokens, batch, sp, ring_size, world_size, zero, cuda, bf
         else ([range(cfg.gdn_v_heads)], [range(cfg.gdn_k_heads)])
     hv, hk = (max(map(len, heads)) * sp for heads in (value_heads, key_heads))  # kernel heads, per local token
     kd_, vd_, kv = hk * Dk, hv * Dv, hv * Dk
-    kernel = 5 * kv + 4 * vd_ + 7 * C * hv + 16 * hv + 2 * Dk * Dv * hv / C
+    kernel = (5 + 2) * kv + (4 + 2) * vd_ + 7 * C * hv + 16 * hv + 2 * Dk * Dv * hv / C
     deltanet = 2 * kd + 7 * vd + wide * (3 * (2 * kd_ + vd_) + kernel) + (C + 2) / e
     kept = {"a": norms + attention + mlp, "d": norms + deltanet + mlp}
     layers = [kept[block.kind] for block in model.blocks]

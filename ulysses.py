@@ -47,11 +47,6 @@ except ImportError:
     flash_attn_func = flash_attn_varlen_func = None
 
 
-def size_and_rank(group):
-    """(P, this process's rank in the group); (1, 0) for group=None, which means no communication."""
-    return (1, 0) if group is None else (dist.get_world_size(group), dist.get_rank(group))
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # the all-to-all of one tensor: H/P heads a rank
 #
@@ -121,6 +116,11 @@ def all_to_all(x, group, scatter_dim, gather_dim):
 
 # ----------------------------------------------------------------------------------------------------------------
 # rule 3: attention over the full sequence
+
+
+def size_and_rank(group):
+    """(P, this process's rank in the group); (1, 0) for group=None, which means no communication."""
+    return (1, 0) if group is None else (dist.get_world_size(group), dist.get_rank(group))
 
 
 def ulysses_attention(q, k, v, group=None, attn_fn=None, **attn_kwargs):
