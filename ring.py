@@ -6,7 +6,8 @@ sequence parallelism over more ranks than there are heads.
 Ulysses hands each rank whole heads, so one sequence can use at most n_head ranks. A ring splits the other
 way. Rank r holds a block of L = S/R tokens with all their heads; at each of R steps it attends its queries to
 the key/value block it holds, while it passes that block on to rank r+1 and receives rank r-1's. After R
-steps every query has met every key, and no rank ever held more than two key/value blocks:
+steps every query has met every key, and no rank ever held more than two key/value blocks (in backward, also up
+to three dk/dv accumulators):
 
     step         0      1      2             kv_j: the key/value block of rank j (R = 3)
     rank 0     kv_0   kv_2   kv_1            each step sends the block to the next rank while the
@@ -34,8 +35,8 @@ Then every block from another rank costs half a block of work on every rank (`ri
     chunks     0  1  2  3  4  5  6  7         R = 4: rank 0 holds chunks 0 and 7, rank 1 holds 1 and 6, ...
     rank       0  1  2  3  3  2  1  0
 
-USP. An SP group of P = U x R ranks: U consecutive ranks form a Ulysses group, and the R Ulysses groups a
-ring. ulysses_attention(q, k, v, ulysses_group, attn_fn=partial(ring_attention, group=ring_group)) is all it
+USP. An SP group of P = U x R ranks: U consecutive ranks form a Ulysses group, and the ranks at the same place
+in each of the R Ulysses groups form a ring. ulysses_attention(q, k, v, ulysses_group, attn_fn=partial(ring_attention, group=ring_group)) is all it
 takes: the all-to-all gives each rank whole heads of its ring block, the ring runs over the blocks, and the
 all-to-all gives the heads back. ulysses.shard_for_sp lays the tokens out in the zigzag order for it.
 
