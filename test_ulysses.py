@@ -1142,17 +1142,18 @@ def test_compiled_training_inductor(world_size, layout):
     _assert_same_training(compiled[0], eager[0], f"--compile on {world_size} ranks")
 
 
-@pytest.mark.parametrize("model", [["--layer-pattern", "dda", "--n-layer", "3", "--lr", "5e-4"] + GDN_SHAPE,
+@pytest.mark.parametrize("model", [["--layer-pattern", "dda", "--n-layer", "3"] + GDN_SHAPE,
                                    ["--layer-pattern", "ddda", "--n-layer", "4", "--pack"]],
                          ids=["dda-2k-4v-heads", "ddda-packed"])
 def test_training_a_hybrid_model(model):
     """Hybrid models: two Gated DeltaNet layers to one softmax layer with Qwen3-Next's ratios (a key head for
-    every two value heads, convolution 4; value dim 12, key dim 8), and three to one with packed documents: sp 4 and dp 2 x sp 2 give
-    the one-process losses and gradient norms over 20 steps, with ZeRO-3. The first at train.py's learning rate
-    for Gated DeltaNet models, 5e-4: at 3e-3, AdamW grows the float32 rounding of two summation orders (a key
-    head's gradient summed over its value heads before the convolution's backward on one device, after it under
-    SP) to 5e-5 in the gradient norm by step 15, where the layer itself agrees to 1e-10 in float64 (above)."""
-    argv = TRAIN_ARGS + ["--seq-len", "64"] + model
+    every two value heads, convolution 4; value dim 12, key dim 8), and three to one with packed documents:
+    sp 4 and dp 2 x sp 2 give the one-process losses and gradient norms over 20 steps, with ZeRO-3. At
+    train.py's learning rate for Gated DeltaNet models, 5e-4: at 3e-3, AdamW grows the float32 rounding of
+    different summation orders (gradients summed over ranks where one device sums over tokens; a key head's
+    gradient summed over its value heads before the convolution's backward on one device, after it under SP) to
+    1e-5 to 5e-5 in the gradient norm by step 15, where the layer itself agrees to 1e-10 in float64 (above)."""
+    argv = TRAIN_ARGS + ["--seq-len", "64", "--lr", "5e-4"] + model
     [(reference, _)] = run_ranks(1, _train_rank, [(argv + ["--batch-size", "8"], None)])[0]
     layouts = {"sp4": ["--sp", "4", "--batch-size", "8"], "dp2xsp2": ["--sp", "2", "--batch-size", "4"]}
     results = run_ranks(4, _train_rank, [(argv + layout, None) for layout in layouts.values()])[0]
