@@ -359,7 +359,7 @@ dist.destroy_process_group()
 """
 
 
-def test_a_user_script_with_ulysses_and_ring_exits_cleanly(tmp_path):
+def test_ring_and_ulysses_user_script_exits_cleanly(tmp_path):
     """ulysses_attention and then ring_attention, forward and backward, destroy_process_group, exit: status 0 on
     every rank, every time (gloo's worker threads once outlived such a script's last collective and aborted it
     at exit). In the second suite, with the ring tests."""
@@ -373,7 +373,7 @@ def test_a_user_script_with_ulysses_and_ring_exits_cleanly(tmp_path):
 
 
 # ================================================================================================================
-# ring.py: ring attention, and Ulysses x Ring (USP). Every test name holds "ring": they run in the second suite.
+# ring.py: ring attention, and Ulysses x Ring (USP). Every test name starts "test_ring": the second suite runs them.
 
 RING_CASES = [("zigzag", torch.float64, None), ("contiguous", torch.float64, None), ("zigzag", torch.float32, None),
               ("contiguous", torch.float32, None), ("zigzag", torch.float64, 3),
