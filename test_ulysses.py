@@ -1036,14 +1036,10 @@ def test_ring_summary_plan_and_memory(capsys, monkeypatch):
                        "--seq-len", "1048576"])
     assert re.match(r"plan: 64 GPUs, sp 64 \(ulysses 8 x ring 8\), seq 1,048,576: fits: ", capsys.readouterr().out)
     argv = ["--sp", "4", "--ring", "2", "--seq-len", "4096", "--batch-size", "1"]
-    peak = max(run_ranks(4, _ring_memory_rank, argv))
+    peak = max(peaks[0] for peaks in run_ranks(4, _memory_rank, [argv]))
     args = train.parse_args(argv)
     train.check_args(args, 4)
     assert abs(train.predicted(args, 4)["peak"] / peak - 1) < 0.2, (train.predicted(args, 4)["peak"], peak)
-
-
-def _ring_memory_rank(rank, world_size, argv):
-    return train.main(argv + ["--steps", "2"])[-1]["peak_bytes"]
 
 
 @pytest.mark.parametrize("kv", ["6", "2"])
@@ -1175,16 +1171,15 @@ MEMORY_RUNS = {1: [["--seq-len", "1024"], ["--seq-len", "4096", "--tiles", "4", 
                4: [["--seq-len", "4096", "--recompute"], ["--seq-len", "4096", "--tiles", "4"]]}
 
 
-def _memory_rank(rank, world_size):
-    return [train.main(argv + ["--steps", "2", "--batch-size", "1"])[-1]["peak_bytes"]
-            for argv in MEMORY_RUNS[world_size]]
+def _memory_rank(rank, world_size, runs):
+    return [train.main(argv + ["--steps", "2", "--batch-size", "1"])[-1]["peak_bytes"] for argv in runs]
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 4])
 def test_memory_prediction_is_within_20_percent(world_size):
     """train.py's predicted peak per rank against the peak MemTracker measures, for sp 1, 2 and 4, with and
     without tiles and recomputation, at 1k and 4k tokens (configurations of the README's memory table)."""
-    per_rank = run_ranks(world_size, _memory_rank)
+    per_rank = run_ranks(world_size, _memory_rank, MEMORY_RUNS[world_size])
     for argv, peak in zip(MEMORY_RUNS[world_size], map(max, zip(*per_rank))):  # the busiest rank
         args = train.parse_args(argv + ["--batch-size", "1"])
         train.check_args(args, world_size)
@@ -1210,6 +1205,9 @@ def test_a_run_that_cannot_fit_is_refused_and_a_plan_is_printed(monkeypatch, cap
     assert abs(state + max(activations, adamw) - peak) <= 0.1  # the parts add up, to the printed rounding
     with pytest.raises(SystemExit, match=r"--plan 8: write it as GPUSxGIB, e.g. 8x80"):
         train.main(["--plan", "8"])
+    # Gated DeltaNet layers alone split by their value heads, so sp may pass n_head: checked and planned
+    assert train.main(["--plan", "4x80", "--layer-pattern", "d", "--n-head", "2", "--gdn-v-heads", "4"])
+    assert "plan: 4 GPUs, sp 4, seq 128: fits" in capsys.readouterr().out
 
 
 # ================================================================================================================

@@ -427,12 +427,12 @@ def check_args(args, world_size):
     if args.ring < 1 or args.sp % args.ring:
         choices = ", ".join(str(r) for r in range(1, args.sp + 1) if args.sp % r == 0)
         fail(f"--ring {args.ring} does not divide --sp {args.sp}; choose --ring in {{{choices}}}")
-    if args.ring > 1 and (refused := ring_allowed(args, why=True)):
-        fail(f"--ring {args.ring} cannot be used with {refused}; use --ring 1")
+    if args.ring > 1 and ring_refusal(args):
+        fail(f"--ring {args.ring} cannot be used with {ring_refusal(args)}; use --ring 1")
     if "a" in args.layer_pattern and args.sp // args.ring > args.n_head:  # a Ulysses rank would hold no head
         sps = [p for p in range(1, min(world_size, args.n_head) + 1) if world_size % p == 0]
         rings = [r for r in range(2, args.sp + 1) if args.sp % r == 0 and args.sp // r <= args.n_head]
-        ring_too = f", or --ring in {{{', '.join(map(str, rings))}}}" if ring_allowed(args) else ""
+        ring_too = "" if ring_refusal(args) else f", or --ring in {{{', '.join(map(str, rings))}}}"
         fail(f"--sp {args.sp} with --ring {args.ring} puts {args.sp // args.ring} ranks in each Ulysses group, more "
              f"than --n-head {args.n_head}: a rank would hold no head; choose --sp in {{{', '.join(map(str, sps))}}}"
              f"{ring_too}")
@@ -463,16 +463,15 @@ def check_args(args, world_size):
             fail(f"{flag}: cannot write into {directory}")
 
 
-def ring_allowed(args, why=False):
-    """True if a ring can run with these flags; with why=True, the first flag that refuses one and the reason
-    (an empty string if none does)."""
+def ring_refusal(args):
+    """The first flag that keeps a ring from running, with the reason; "" when a ring can run."""
     for flag, used, reason in (("--pack", args.pack, "the ring attends one document a row"),
                                ("--compile", args.compile, "the ring's sends are not traced"),
                                ("Gated DeltaNet layers (d in --layer-pattern)", "d" in args.layer_pattern,
                                 "their recurrence needs the tokens in order")):
         if used:
-            return f"{flag}: {reason}" if why else False
-    return "" if why else True
+            return f"{flag}: {reason}"
+    return ""
 
 
 def collective_failure(error, rank, step, args):
@@ -514,8 +513,10 @@ def predict_memory(cfg, tokens, batch, sp, ring_size, world_size, zero, cuda, bf
     unit = max(sum(p.numel() for p in u.parameters()) for u in model.units())  # the largest one ZeRO-3 gathers
     e, h, V, H, D = (2 if bf16 else 4), cfg.n_embd, cfg.vocab_size, cfg.n_head, cfg.n_embd // cfg.n_head
     U = sp // ring_size  # Ulysses ranks: the attention kernel sees U * tokens tokens of its heads
-    kernel_kv = max(len(ulysses.kernel_kv_heads(H, cfg.n_kv_head, U, r)) for r in range(U))  # kv heads, expanded
-    q, kv = (n * U * D for n in (max(map(len, ulysses.head_layout(H, cfg.n_kv_head, U)[0])), kernel_kv))  # a token
+    q = kv = 0  # the softmax kernel's q and (expanded) kv elements per local token, busiest rank; none without "a"
+    if "a" in cfg.layer_pattern:
+        kernel_kv = max(len(ulysses.kernel_kv_heads(H, cfg.n_kv_head, U, r)) for r in range(U))
+        q, kv = (n * U * D for n in (max(map(len, ulysses.head_layout(H, cfg.n_kv_head, U)[0])), kernel_kv))
     wide = 4 / e  # a float32 number in elements of e bytes: in bf16 the residual stream and the norms stay float32
     mlp = 9 * h if cfg.tiles == 1 else h  # its input, fc output and gelu output; tiled, its input alone
     # norm1: input, input * rstd, output; norm2: input, input * rstd; one rstd each (all float32 but the output)
@@ -547,9 +548,8 @@ def predict_memory(cfg, tokens, batch, sp, ring_size, world_size, zero, cuda, bf
     # gated_delta_net runs with autocast off.
     C, Dk, Dv = 64, cfg.gdn_k_dim, cfg.gdn_v_dim
     kd, vd = cfg.gdn_k_heads * Dk, cfg.gdn_v_heads * Dv
-    value_heads, key_heads = ulysses.head_layout(cfg.gdn_v_heads, cfg.gdn_k_heads, sp) if "d" in cfg.layer_pattern \
-        else ([range(cfg.gdn_v_heads)], [range(cfg.gdn_k_heads)])
-    hv, hk = (max(map(len, heads)) * sp for heads in (value_heads, key_heads))  # kernel heads, per local token
+    layout = ulysses.head_layout(cfg.gdn_v_heads, cfg.gdn_k_heads, sp if "d" in cfg.layer_pattern else 1)
+    hv, hk = (max(map(len, heads)) * sp for heads in layout)  # the kernel's value and key heads, per local token
     kd_, vd_, kv = hk * Dk, hv * Dv, hv * Dk
     kernel = (5 + 2) * kv + (4 + 2) * vd_ + 7 * C * hv + 16 * hv + 2 * Dk * Dv * hv / C
     deltanet = 2 * kd + 7 * vd + wide * (3 * (2 * kd_ + vd_) + kernel) + (C + 2) / e
@@ -591,7 +591,7 @@ def memory_verdict(args, world_size, memory, cuda):
         longest += step if peak(seq_len=longest + step) <= memory else 0
     # the most ranks in one SP group: all of them, with the smallest ring that leaves every Ulysses rank a head,
     # where a ring can run; else as many as there are heads
-    if ring_allowed(args):
+    if not ring_refusal(args):
         sp = world_size
         rings = min(r for r in range(1, sp + 1) if sp % r == 0 and sp // r <= args.n_head)
     else:
@@ -714,7 +714,8 @@ def summarize(args, history, model, optimizer, n_params, world_size, device, ran
         formula = count(block.attn.ring_bytes(tokens, element_bytes, args.ring) for block in model.blocks)
         print(f"ring of rank 0 per step: {measured(sent):,.0f} bytes sent (formula {formula:,} bytes); sends per "
               f"layer per micro-step: {calls(sent, 'forward'):g} forward, {calls(sent, 'backward'):g} backward")
-    heads = [len(r) for r in ulysses.head_layout(args.n_head, args.n_kv_head, args.sp // args.ring)[0]]
+    heads = [len(r) for r in ulysses.head_layout(args.n_head, args.n_kv_head, args.sp // args.ring)[0]] \
+        if "a" in args.layer_pattern else []
     if len(set(heads)) > 1:  # uneven: the rank with the most heads does the most attention work
         print(f"query heads per Ulysses rank {heads}: the busiest rank does "
               f"{max(heads) * len(heads) / sum(heads):.2f}x "
