@@ -462,7 +462,7 @@ def ring_(args):
                                                                                     else f" (not equal: {zigzag})"))
 
 
-def main():
+def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=_HelpFormatter, allow_abbrev=False)
     commands = parser.add_subparsers(dest="command", required=True)
     p = commands.add_parser("attention", help="one Ulysses attention layer against its alternatives",
@@ -507,7 +507,7 @@ def main():
     p.add_argument("--head-dim", type=int, default=64, help="dimensions per head")
     p.add_argument("--batch-size", type=int, default=1, help="sequences")
     p.add_argument("--reps", type=int, default=5, help="timed repetitions (after one warm-up)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.command == "ring" and any(args.seq_len % (2 * P) for P in args.ranks):
         parser.error(f"--seq-len {args.seq_len}: must be a multiple of 2 x every P in --ranks (the zigzag chunks)")
     if args.command == "attention":

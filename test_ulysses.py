@@ -3,9 +3,11 @@ Tests, runnable on a CPU-only machine: every multi-rank case starts 2, 3 or 4 pr
 and compares against the obvious single-device computation in float32. Sections follow the files in reading
 order: ulysses, tiled, gpt, zero3, train, failures.
 
-    pytest -q test_ulysses.py
+    pytest -v test_ulysses.py -k "not compile and not test_ring"   # the quick suite
+    pytest -v test_ulysses.py -k "compile or test_ring"            # torch.compile, ring attention, USP
 """
 
+import argparse
 import contextlib
 import io
 import json
@@ -632,7 +634,8 @@ DOC_LENGTHS = [8, 11, 3, 10]  # S = 32; with sp 4 (8 tokens a rank): a document 
 
 
 def _packed_batch(changed_document=None):
-    """Two rows of the same four documents (the second row reversed). changed_document: new tokens for it."""
+    """Two rows of the same four documents (the second row reversed, its first one continued from an earlier
+    sample, as packed text goes on from one sample to the next). changed_document: new tokens for it."""
     g = torch.Generator().manual_seed(7)
     docs = [torch.randint(0, 256, (n,), generator=g) for n in DOC_LENGTHS]
     if changed_document is not None:
@@ -641,6 +644,7 @@ def _packed_batch(changed_document=None):
     inputs = torch.stack([torch.cat(r) for r in rows])  # (2, 32)
     labels = torch.stack([torch.cat([torch.cat([d[1:], torch.tensor([-100])]) for d in r]) for r in rows])
     position_ids = torch.stack([torch.cat([torch.arange(len(d)) for d in r]) for r in rows])  # 0 at each start
+    position_ids[1, :DOC_LENGTHS[-1]] += 13  # the second row opens inside a document that began a sample before
     return inputs, labels, position_ids
 
 
@@ -873,36 +877,45 @@ def _zero3_rank(rank, world_size):
     assert set(optimizer.state) == set(zero.parameters())
     with torch.no_grad():
         logits = model(idx, position_ids)
-    return zero.state_dict(), zero.optimizer_state_dict(optimizer), logits
+    return _cloned(zero3.held(model, optimizer, zero)), zero3.optimizer_scalars(optimizer), logits
 
 
-def _zero3_load_rank(rank, world_size, state, optimizer_state):
+def _cloned(pieces):
+    return {name: (shape, start, {key: t.clone() for key, t in values.items()})
+            for name, (shape, start, values) in pieces.items()}
+
+
+def _zero3_load_rank(rank, world_size, stored, scalars):
     torch.manual_seed(123)  # other weights, all overwritten by the load
     model = GPT(ZERO_CFG)
     zero = zero3.ZeRO3(model, model.units(), group=dist.group.WORLD)
-    zero.load_state_dict(state)
     optimizer = torch.optim.AdamW(zero.parameters())
-    zero.load_optimizer_state_dict(optimizer, optimizer_state)
-    roundtrip, optimizer_roundtrip = zero.state_dict(), zero.optimizer_state_dict(optimizer)
+    zero3.prepare_optimizer(optimizer, ["exp_avg", "exp_avg_sq"], scalars)
+    zero3.load_pieces(zero3.held(model, optimizer, zero), stored)
     with torch.no_grad():
-        return roundtrip, optimizer_roundtrip, model(*_zero_batch()[:2])
+        logits = model(*_zero_batch()[:2])
+    return _cloned(zero3.held(model, optimizer, zero)), zero3.optimizer_scalars(optimizer), logits
 
 
-def test_zero3_shards_and_consolidated_state():
-    """Model and AdamW state gathered from 4 ranks load in one process and re-shard onto 2, exactly."""
+def test_zero3_shards_and_checkpoint_pieces():
+    """What 4 ranks hold of the model and of AdamW's state (zero3.held) is the whole model in one process, and
+    loads onto 2 ranks exactly."""
     four = run_ranks(4, _zero3_rank)
-    state, optimizer_state, _ = four[0]
+    stored = [pieces for pieces, _, _ in four]
     plain = GPT(ZERO_CFG)
-    plain.load_state_dict(state)  # saved on 4 ranks, loaded in one process
+    plain.load_state_dict(zero3.whole(stored))  # held on 4 ranks, whole in one process
     expected = plain(*_zero_batch()[:2])
-    for _, _, rank_logits in four:
+    for _, scalars, rank_logits in four:
         torch.testing.assert_close(rank_logits, expected, rtol=0, atol=1e-5)
-    assert optimizer_state["state"].keys() == state.keys()
-    assert all(s["exp_avg"].shape == state[name].shape for name, s in optimizer_state["state"].items())
-    for roundtrip, optimizer_roundtrip, rank_logits in run_ranks(2, _zero3_load_rank, state, optimizer_state):
+        assert scalars == {"step": 1.0}
+    moments = zero3.whole(stored, "exp_avg")
+    assert {name: t.shape for name, t in moments.items()} == {name: p.shape for name, p in plain.named_parameters()}
+    two = run_ranks(2, _zero3_load_rank, stored, {"step": 1.0})
+    for _, scalars, rank_logits in two:
         torch.testing.assert_close(rank_logits, expected, rtol=0, atol=1e-5)
-        assert_all_close(roundtrip, state, rtol=0, atol=0)
-        assert_all_close(optimizer_roundtrip, optimizer_state, rtol=0, atol=0)
+        assert scalars == {"step": 1.0}
+    for key in ("param", "exp_avg", "exp_avg_sq"):
+        assert_all_close(zero3.whole([pieces for pieces, _, _ in two], key), zero3.whole(stored, key), rtol=0, atol=0)
 
 
 # ================================================================================================================
@@ -945,6 +958,106 @@ def test_text_samples_are_windows_or_whole_paragraphs(tmp_path):
         assert labels[start - 1] == -100 and position_ids[start - 1] > 0
 
 
+def _read_text(tmp_path, raw, pack=True, seq_len=8):
+    path = tmp_path / "text.txt"
+    path.write_bytes(raw)
+    return data.read_documents(path, pack, seq_len)
+
+
+@pytest.mark.parametrize("raw, expected", [
+    (b"one a\r\none b\r\n\r\ntwo\r\n\r\n\r\nthree\r\n", [b"one a\r\none b\r\n", b"two\r\n", b"three\r\n"]),
+    (b"one\r\rtwo a\rtwo b\r\r\rthree", [b"one\r", b"two a\rtwo b\r", b"three"]),
+    (b"one\n \t \ntwo\n  indented\n\t\nthree", [b"one\n", b"two\n  indented\n", b"three"]),
+    (b"\r\n\r\none\r\ntwo\n\nthree\r\rfour\r\n  \r\n", [b"one\r\ntwo\n", b"three\r", b"four\r\n"]),
+], ids=["crlf", "cr", "whitespace-line", "mixed"])
+def test_paragraphs_split_at_blank_lines_in_any_line_ending(tmp_path, raw, expected):
+    """A paragraph is its lines, bytes as in the file; only blank lines (empty or spaces and tabs) separate, and
+    the \\r\\n that ends a line is never read as \\r and then an empty line."""
+    documents = _read_text(tmp_path, raw)
+    assert [bytes(d.tolist()) for d in documents] == expected
+
+
+@pytest.mark.parametrize("raw", [b"line one\r\nline two\r\n", b"one paragraph", b"\n\n  \none paragraph\n\n"])
+def test_pack_refuses_a_file_without_paragraph_breaks(tmp_path, raw):
+    message = ("has no blank line between paragraphs, so --pack would make one document of it; separate documents "
+               "with blank lines, or drop --pack")
+    with pytest.raises(ValueError, match=re.escape(message)):
+        _read_text(tmp_path, raw)
+    assert bytes(_read_text(tmp_path, raw, pack=False, seq_len=4)[0].tolist()) == raw  # unpacked, the file is the text
+
+
+def test_read_documents_keeps_its_errors(tmp_path):
+    with pytest.raises(ValueError, match="^no such file or directory$"):
+        data.read_documents(tmp_path / "missing.txt", True, 8)
+    for pack in (True, False):
+        with pytest.raises(ValueError, match="^holds no text$"):
+            _read_text(tmp_path, b"" if not pack else b"\r\n \r\n\t\n", pack)
+    with pytest.raises(ValueError, match=re.escape("has 8 bytes; sequences of 8 tokens need 9 (or packing)")):
+        _read_text(tmp_path, b"12345678", pack=False)
+
+
+STREAM_PARAGRAPHS = [b"a first paragraph, longer than one sequence of 16 tokens\r\n",
+              b"short\r\n",
+              b"a paragraph of three lines\nline two\nline three\n",
+              b"x"]  # one byte, the file's last, with no line break: it starts and ends at once
+
+
+def _expected_stream(documents):
+    """The obvious computation: for every byte of the stream, the byte, its label and its position."""
+    tokens, labels, positions = [], [], []
+    for d in documents:
+        tokens += list(d)
+        labels += list(d[1:]) + [-100]
+        positions += range(len(d))
+    return tokens, labels, positions
+
+
+@pytest.mark.parametrize("seq_len", [16, 23, 300], ids=["16", "23", "longer-than-the-stream"])
+def test_packed_samples_are_consecutive_windows_of_the_stream(tmp_path, seq_len):
+    """Samples 0, 1, 2, ... tile the documents in file order, repeated: a paragraph longer than a sequence goes on
+    in the next sample with its positions counting on, positions are 0 exactly where a document starts, labels
+    -100 exactly at a document's last token; one pass reads every byte of the file but the blank lines."""
+    first, second, third, fourth = STREAM_PARAGRAPHS
+    raw = first + b"\r\n" + second + b" \t\n" + third + b"\r\r\n" + fourth
+    documents = _read_text(tmp_path, raw, seq_len=seq_len)
+    assert [bytes(d.tolist()) for d in documents] == STREAM_PARAGRAPHS
+    tokens, labels, positions = _expected_stream(STREAM_PARAGRAPHS)
+    n = len(tokens)
+    k = 3 * -(-n // seq_len)  # three passes and more
+    samples = [data.make_sample(i, seq_len, documents, pack=True, seed=i) for i in range(k)]
+    got = [torch.cat([s[j] for s in samples]).tolist() for j in range(3)]
+    cycled = [(column * (k * seq_len // n + 1))[:k * seq_len] for column in (tokens, labels, positions)]
+    assert got == cycled
+    assert bytes(got[0][:n]) == b"".join(STREAM_PARAGRAPHS)  # one pass: every byte of the file but the blank lines
+    starts = {sum(map(len, STREAM_PARAGRAPHS[:d])) for d in range(len(STREAM_PARAGRAPHS))}
+    assert [i for i, p in enumerate(got[2]) if p == 0] == [i for i in range(k * seq_len) if i % n in starts]
+    assert [i for i, l in enumerate(got[1]) if l == -100] == [i for i in range(k * seq_len) if (i + 1) % n in starts]
+    if seq_len == 16:  # sample 1 starts inside the first paragraph, at its byte 16
+        assert samples[1][2][:3].tolist() == [16, 17, 18] and samples[0][1][-1].item() == STREAM_PARAGRAPHS[0][16]
+
+
+def test_packed_sample_depends_on_index_alone(tmp_path):
+    documents = _read_text(tmp_path, b"\n".join(STREAM_PARAGRAPHS))
+    for i in (5, 0, 1_000_003):
+        a, b = data.make_sample(i, 16, documents, pack=True, seed=0), data.make_sample(i, 16, documents, True, 7)
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
+    assert not torch.equal(data.make_sample(1, 16, documents, True)[0], data.make_sample(2, 16, documents, True)[0])
+
+
+def test_the_banner_describes_the_text(tmp_path):
+    """37 paragraphs of 13,824 bytes read 346 times 128 tokens, packed; the same bytes as one document."""
+    paragraphs = [b"a" * 373 + b"\n"] * 36 + [b"b" * 359 + b"\n"]
+    packed = _read_text(tmp_path, b"\n".join(paragraphs), pack=True)
+    assert data.describe(packed, True, 128, 346) == (
+        "37 documents, 13,824 bytes; a pass is 108 sequences of 128 tokens, this run reads 3.2 passes")
+    plain = _read_text(tmp_path, b"".join(paragraphs), pack=False)
+    assert data.describe(plain, False, 128, 443) == (
+        "1 document, 13,824 bytes; windows start anywhere, so every byte can be trained on; this run reads 4.1x its "
+        "bytes")
+    assert data.describe(packed, True, 100, 1) == (
+        "37 documents, 13,824 bytes; a pass is 139 sequences of 100 tokens, this run reads 0.007 passes")
+
+
 @pytest.mark.parametrize("pack", [[], ["--pack"]], ids=["plain", "packed"])
 def test_training_on_text_learns(tmp_path, pack):
     """40 steps on the paragraphs take the loss from ln 256 = 5.55 (uniform over bytes) to below 2.7."""
@@ -976,7 +1089,7 @@ def _train_rank(rank, world_size, runs):
     for argv, out_dir in runs:
         history = train.main(argv + (["--out-dir", out_dir] if out_dir else []))
         final = train.newest_checkpoint(out_dir) if out_dir else None
-        results.append((history, torch.load(os.path.join(final, "model.pt")) if final else None))
+        results.append((history, train.checkpoint_weights(final) if final else None))
     return results
 
 
@@ -1093,9 +1206,10 @@ def test_bf16_training_matches_one_device(tmp_path):
     bf16, out_dir = argv + ["--dtype", "bfloat16"], str(tmp_path / "one")
     [(reference, _, received, _), (resumed, _, _, printed)] = run_ranks(1, _bf16_rank, [
         bf16 + ["--batch-size", "8", "--out-dir", out_dir],
-        argv + ["--batch-size", "8", "--dtype", "float32", "--out-dir", out_dir, "--resume", "--steps", "12"]])[0]
+        argv + ["--batch-size", "8", "--dtype", "float32", "--out-dir", out_dir, "--resume", "--steps", "12",
+                "--new-schedule"]])[0]
     assert received == {(torch.float32, torch.float32)}
-    saved = torch.load(os.path.join(out_dir, "step_000010", "model.pt"))
+    saved = train.checkpoint_weights(os.path.join(out_dir, "step_000010"))
     assert {t.dtype for t in saved.values()} == {torch.float32}
     assert "carried over" in printed and [r["step"] for r in resumed] == [11, 12]
     layouts = {"dp2xsp2 zero3": ["--sp", "2", "--batch-size", "4"], "sp4 fsdp2": ["--sp", "4", "--zero", "fsdp2"]}
@@ -1203,11 +1317,51 @@ def test_a_run_that_cannot_fit_is_refused_and_a_plan_is_printed(monkeypatch, cap
                      r"80.0 GiB; about [\d,]+ tokens would fit", capsys.readouterr().out)
     peak, state, activations, adamw = map(float, plan.groups())
     assert abs(state + max(activations, adamw) - peak) <= 0.1  # the parts add up, to the printed rounding
-    with pytest.raises(SystemExit, match=r"--plan 8: write it as GPUSxGIB, e.g. 8x80"):
-        train.main(["--plan", "8"])
+    for plan in ("8", "8xinf", "8x0", "0x80", "8xnan"):
+        with pytest.raises(SystemExit, match=rf"--plan {plan}: write it as GPUSxGIB, at least one GPU of more than 0 "
+                                             rf"GiB, e.g. 8x80"):
+            train.main(["--plan", plan])
+    with pytest.raises(SystemExit, match=r"^1$"):  # a plan that does not fit fails, after its line
+        train.main(["--plan", "1x1", "--seq-len", "10000000"])
+    assert "plan: 1 GPU, sp 1, seq 10,000,000: does NOT fit" in capsys.readouterr().out
     # Gated DeltaNet layers alone split by their value heads, so sp may pass n_head: checked and planned
     assert train.main(["--plan", "4x80", "--layer-pattern", "d", "--n-head", "2", "--gdn-v-heads", "4"])
     assert "plan: 4 GPUs, sp 4, seq 128: fits" in capsys.readouterr().out
+
+
+def test_readme_plans_run_as_written(capsys):
+    """Every `python train.py --plan ...` line of README runs as written and prints its plan: the line README
+    quotes where it quotes one."""
+    with open(os.path.join(HERE, "README.md")) as f:
+        readme = f.read()
+    commands = re.findall(r"^python train\.py (--plan .*)$", readme, re.M)
+    assert len(commands) == 3
+    for command in commands:
+        capsys.readouterr()
+        try:
+            train.main(command.split())
+        except SystemExit as e:
+            assert e.code == 1  # a plan that does not fit
+        printed = capsys.readouterr().out.strip()
+        assert printed.startswith("plan: "), command
+        if "--ring" in command:
+            assert f"```\n{printed}\n```" in readme
+
+
+@pytest.mark.parametrize("script, argv", [("train.py", []), ("bench.py", []), ("bench.py", ["attention"]),
+                                          ("bench.py", ["ring"])], ids=["train", "bench", "bench attention", "bench ring"])
+def test_help_shows_the_defaults(capsys, script, argv):
+    """`python X.py --help` answers at once, exit 0, with every default that a flag has."""
+    with pytest.raises(SystemExit, match="^0$"):
+        {"train.py": train.main, "bench.py": bench.main}[script](argv + ["--help"])
+    printed = capsys.readouterr().out
+    if script == "train.py":
+        for flag, default in (("--seq-len", "128"), ("--steps", "600"), ("--batch-size", "8"), ("--n-embd", "128"),
+                              ("--timeout", "300"), ("--seed", "0"), ("--keep", "0")):
+            text = re.search(rf"\n  {flag} (.*?)(?=\n  -|\Z)", printed, re.S).group(1)  # the flag's help
+            assert f"(default: {default})" in " ".join(text.split()), flag
+    else:  # bench.py lists its benchmarks; each of them, its flags
+        assert "(default: " in printed if argv else "attention,tiled" in printed
 
 
 # ================================================================================================================
@@ -1243,7 +1397,7 @@ def test_resume_on_any_layout(tmp_path, capsys):
     straight, same, *others = run_ranks(4, _resume_rank, four)[0]
     one_process = _resume_rank(0, 1, [(["--batch-size", "8"], str(tmp_path / "one"), written)])[0]
     assert "model and AdamW state carried over" in capsys.readouterr().out
-    model = lambda name: torch.load(tmp_path / name / "step_000040" / "model.pt")
+    model = lambda name: train.checkpoint_weights(tmp_path / name / "step_000040")
     assert [r["loss"] for r in same] == [r["loss"] for r in straight[20:]]  # the same layout: bit for bit
     assert_all_close(model("same"), model("dp2xsp2"), rtol=0, atol=0)
     for name, history in zip(["sp4", "zero0", "fsdp2", "fsdp2_again", "one"], others + [one_process]):
@@ -1280,7 +1434,7 @@ def test_resume_on_any_layout(tmp_path, capsys):
     (1, ["--tiles", "0"], r"--tiles 0 must be at least 1"),
     (1, ["--data", "{empty}"], r"--data .*empty.txt: holds no text"),
     (1, ["--data", "{empty}", "--pack"], r"--data .*empty.txt: holds no text"),
-    (1, ["--save-every", "5"], r"--resume and --save-every need --out-dir"),
+    (1, ["--save-every", "5"], r"--resume, --save-every and --keep need --out-dir"),
     (1, ["--offload"], r"--offload keeps the block inputs that --recompute saves in CPU memory; add --recompute"),
     (1, ["--layer-pattern", "adx"], r"layer_pattern='adx': use the letters a \(softmax attention\) and d"),
     (1, ["--lr", "nan"], r"--lr nan must be a finite number above 0"),
@@ -1289,10 +1443,18 @@ def test_resume_on_any_layout(tmp_path, capsys):
     (1, ["--grad-clip", "-1"], r"--grad-clip -1 must be a finite number of 0 or more"),
     (1, ["--timeout", "0"], r"--timeout 0 must be a finite number above 0"),
     (1, ["--warmup", "-2"], r"--warmup -2 must be at least 0"),
+    (1, ["--keep", "-1"], r"--keep -1 must be at least 0"),
+    (1, ["--timeout", "1e20"], r"--timeout 1e\+20 must be at most 604800 seconds \(a week\)"),
+    (1, ["--seed", str(10**16)], r"--seed 10000000000000000 must be in \[0, 2\*\*32\)"),
+    (1, ["--metrics", "{tmp}"], r"--metrics \S+ is a directory; give a file name, e.g. \S+metrics.jsonl"),
+    (1, ["--data", "{one_paragraph}", "--pack"], r"has no blank line between paragraphs, so --pack would make one "
+                                                 r"document of it; separate documents with blank lines, or drop "
+                                                 r"--pack"),
 ])
 def test_bad_input_is_refused(monkeypatch, tmp_path, world_size, argv, message):
     (tmp_path / "empty.txt").write_text("")
-    argv = [a.format(empty=tmp_path / "empty.txt") for a in argv]
+    (tmp_path / "one.txt").write_text("one paragraph\r\nof two lines\r\n")
+    argv = [a.format(empty=tmp_path / "empty.txt", tmp=tmp_path, one_paragraph=tmp_path / "one.txt") for a in argv]
     monkeypatch.setenv("WORLD_SIZE", str(world_size))
     with pytest.raises(SystemExit, match=message):
         train.main(argv)
@@ -1327,7 +1489,37 @@ def test_shards_of_different_lengths_are_refused():
 SHORT_RUN = ["--steps", "6", "--save-every", "3", "--n-layer", "2", "--n-embd", "32", "--seq-len", "32"]
 
 
-def test_broken_checkpoints_are_refused(tmp_path, monkeypatch):
+def _flip(data, n=64):
+    """data with n bytes in its middle inverted."""
+    middle = len(data) // 2
+    return data[:middle] + bytes(b ^ 0xFF for b in data[middle:middle + n]) + data[middle + n:]
+
+
+@pytest.mark.parametrize("name, damage, problem", [
+    ("trainer.pt", lambda data: b"", r"trainer.pt has 0 bytes, not [\d,]+"),
+    ("shard_00000-of-00001.pt", lambda data: data[:len(data) // 2],
+     r"shard_00000-of-00001.pt has [\d,]+ bytes, not [\d,]+"),
+    ("shard_00000-of-00001.pt", _flip, r"shard_00000-of-00001.pt does not match its SHA-256 \(changed on the disk\)"),
+], ids=["empty", "truncated", "flipped"])
+def test_a_damaged_checkpoint_falls_back_to_the_one_before(tmp_path, monkeypatch, capsys, name, damage, problem):
+    """A checkpoint file emptied, cut short, or with 64 bytes flipped fails verification against the manifest: one
+    line says so, the run resumes from the checkpoint before it, and its steps equal the run that never stopped."""
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    out_dir = tmp_path / "run"
+    straight = train.main(SHORT_RUN + ["--out-dir", str(out_dir)])
+    part = out_dir / "step_000006" / name
+    part.write_bytes(damage(part.read_bytes()))
+    capsys.readouterr()
+    resumed = train.main(SHORT_RUN + ["--out-dir", str(out_dir), "--resume"])
+    printed = capsys.readouterr().out
+    assert re.search(rf"^note: checkpoint \S+step_000006 fails verification \({problem}\); trying the one before "
+                     rf"it$", printed, re.M), printed
+    assert f"resuming from {out_dir / 'step_000003'} after step 3" in printed
+    assert [r["loss"] for r in resumed] == [r["loss"] for r in straight[3:]]
+    assert train.verify(out_dir / "step_000006", 0, 1) is None  # written anew over the damaged one
+
+
+def test_checkpoints_that_cannot_be_used_are_refused(tmp_path, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "1")
     out_dir = tmp_path / "run"
     with pytest.raises(SystemExit, match=r"--resume: no complete checkpoint in --out-dir"):
@@ -1335,28 +1527,97 @@ def test_broken_checkpoints_are_refused(tmp_path, monkeypatch):
     train.main(SHORT_RUN + ["--out-dir", str(out_dir)])
     with pytest.raises(SystemExit, match=r"already holds checkpoints; add --resume to continue from step_000006"):
         train.main(SHORT_RUN + ["--out-dir", str(out_dir)])  # never overwritten by accident
-    for name in ("optimizer.pt", "model.pt"):
-        part = out_dir / "step_000006" / name
-        whole = part.read_bytes()
-        part.write_bytes(whole[:1000])  # truncated
-        with pytest.raises(SystemExit, match=rf"step_000006 is unreadable \(truncated, or not written by train.py\): "
-                                             rf"{name}"):
-            train.main(SHORT_RUN + ["--out-dir", str(out_dir), "--resume"])
-        part.write_bytes(whole)
-    torch.save({"weights": torch.zeros(3)}, out_dir / "step_000006" / "trainer.pt")  # foreign
-    with pytest.raises(SystemExit, match=r"step_000006 is unreadable .*: trainer.pt: no trainer state"):
-        train.main(SHORT_RUN + ["--out-dir", str(out_dir), "--resume"])
-    other = tmp_path / "other"
-    train.main(SHORT_RUN + ["--out-dir", str(other)])
     with pytest.raises(SystemExit, match=r"holds a model with .*'n_embd': 32.*the flags ask for .*'n_embd': 64"):
-        train.main(SHORT_RUN + ["--out-dir", str(other), "--resume", "--n-embd", "64"])
+        train.main(SHORT_RUN + ["--out-dir", str(out_dir), "--resume", "--n-embd", "64"])
+    # a longer run would move the learning rate of step 7 (the cosine restretched): refused unless asked for
+    with pytest.raises(SystemExit, match=r"--steps 6 -> 12 against checkpoint \S+step_000006 would move the learning "
+                                         r"rate of step 7 from 0.0001 to 0.000[\d]+; resume with the checkpoint's "
+                                         r"values, or add --new-schedule to accept it$"):
+        train.main(SHORT_RUN + ["--out-dir", str(out_dir), "--resume", "--steps", "12"])
+    assert [r["step"] for r in train.main(SHORT_RUN + ["--out-dir", str(out_dir), "--resume", "--steps", "7",
+                                                       "--new-schedule"])] == [7]
+    with train.lock_out_dir(str(out_dir)):  # another live run
+        with pytest.raises(SystemExit, match=r"--out-dir \S+ is in use by another run \(pid \d+ on \S+\); wait for it "
+                                             r"to end, or choose another directory"):
+            train.main(SHORT_RUN + ["--out-dir", str(out_dir), "--resume"])
+    for path in train.checkpoints(out_dir):
+        (out_dir / path / "trainer.pt").write_bytes(b"")
+    with pytest.raises(SystemExit, match=r"no checkpoint in --out-dir \S+ passes verification"):
+        train.main(SHORT_RUN + ["--out-dir", str(out_dir), "--resume"])
+
+
+def test_metrics_lines_cut_short_are_dropped_on_resume(tmp_path, monkeypatch, capsys):
+    """A blank line and a line cut short (a full disk, two runs on one file) in --metrics: a resume drops them,
+    says how many, and writes every step's line again."""
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    out_dir, metrics = tmp_path / "run", tmp_path / "metrics.jsonl"
+    argv = SHORT_RUN + ["--out-dir", str(out_dir), "--metrics", str(metrics)]
+    train.main(argv)
+    lines = metrics.read_text().splitlines()
+    metrics.write_text("\n".join(lines[:2] + ["", lines[2][:20]] + lines[3:]) + "\n")
+    shutil.rmtree(out_dir / "step_000006")
+    capsys.readouterr()
+    train.main(argv + ["--resume"])
+    assert f"note: --metrics {metrics}: dropped 2 line(s) that were not whole records" in capsys.readouterr().out
+    assert [json.loads(line)["step"] for line in metrics.read_text().splitlines()] == [1, 2, 4, 5, 6]
+
+
+def _torchrun_patched(tmp_path, patch, argv, timeout=120):
+    """train.py's main under torchrun on 2 ranks, after `patch` (Python source) ran on rank 1 alone. Returns
+    (exit status, output, seconds)."""
+    script = tmp_path / "patched_train.py"
+    script.write_text(f"import os, sys, time\nsys.path.insert(0, {HERE!r})\nimport data, train\n"
+                      f"if os.environ['RANK'] == '1':\n" + "".join(f"    {line}\n" for line in patch.splitlines())
+                      + "train.main()\n")
+    start = time.time()
+    done = subprocess.run(torchrun(2)[:-1] + [str(script), *argv], cwd=HERE, capture_output=True, text=True,
+                          timeout=timeout)
+    return done.returncode, done.stdout + done.stderr, time.time() - start
+
+
+def test_an_error_on_one_rank_stops_every_rank_with_its_line(tmp_path):
+    """The data file missing on one machine: that rank's line, printed once, and every rank stops at once, not
+    after --timeout."""
+    text = tmp_path / "text.txt"
+    text.write_text(PARAGRAPHS)
+    status, output, seconds = _torchrun_patched(tmp_path, "def read_documents(*args):\n"
+                                                "    raise ValueError('no such file or directory')\n"
+                                                "data.read_documents = read_documents", ["--data", str(text)])
+    assert status != 0 and seconds < 30, output[-3000:]
+    assert output.count(f"train.py: error: rank 1: --data {text}: no such file or directory") == 1, output[-3000:]
+
+
+def test_a_save_slower_than_the_timeout_completes(tmp_path):
+    """A rank that takes 7 s to write its checkpoint files, with --timeout 3: the others wait for it, as no
+    collective deadline applies to the writing, and the run completes."""
+    status, output, _ = _torchrun_patched(tmp_path, "write_files = train.write_files\n"
+                                          "train.write_files = lambda path, files: time.sleep(7 * any(name.startswith("
+                                          "'shard') for name in files)) or write_files(path, files)",
+                                          ["--steps", "2", "--n-embd", "32", "--seq-len", "32", "--timeout", "3",
+                                           "--out-dir", str(tmp_path / "run")])
+    assert status == 0, output[-3000:]
+    assert [os.path.basename(p) for p in train.checkpoints(tmp_path / "run")] == ["step_000002"]
+
+
+def test_a_full_disk_says_so(tmp_path, monkeypatch):
+    """torch.save on a full disk fails in its zip writer ("unexpected pos ..."); the line says the disk is full."""
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    def full_disk(*args):
+        raise RuntimeError("unexpected pos 797312 vs 797204")
+    monkeypatch.setattr(torch, "save", full_disk)
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: argparse.Namespace(free=0))
+    with pytest.raises(SystemExit, match=r"train.py: error: no space left on the device of \S+step_000003.tmp "
+                                         r"\(0.0 MiB free\) for shard_00000-of-00001.pt; free some, or keep fewer "
+                                         r"checkpoints \(--keep\)$"):
+        train.main(SHORT_RUN + ["--out-dir", str(tmp_path / "run")])
+    assert train.checkpoints(tmp_path / "run") == []
 
 
 def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):
     out_dir = tmp_path / "run"
     with pytest.raises(SystemExit, match=r"step 2: loss nan, gradient norm nan; stopped before the update"):
         train.main(["--lr", "1e30", "--warmup", "1", "--save-every", "1", "--out-dir", str(out_dir)] + SHORT_RUN[4:])
-    assert sorted(os.listdir(out_dir)) == ["step_000001"]
+    assert sorted(os.listdir(out_dir)) == [".lock", "step_000001"]
 
 
 def _launch(tmp_path, extra, timeout=300):

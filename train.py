@@ -8,7 +8,7 @@ Train a small GPT with Ulysses sequence parallelism (SP), data parallelism (DP) 
     torchrun --nnodes=2 --node_rank=0 --master_addr=HOST --master_port=29500 --nproc_per_node=8 \
         train.py --sp 8 --n-head 8                              # two nodes (node_rank=1 on the other)
     python train.py --data input.txt                            # any text file, as bytes (vocab 256)
-    torchrun --standalone --nproc_per_node=4 --max-restarts=1 train.py --out-dir ckpt --save-every 50
+    torchrun --standalone --nproc_per_node=4 --max-restarts=1 train.py --out-dir runs/ckpt --save-every 50
 
 The default data (data.py) is a copy task: random tokens followed by the same tokens again, and only the copy is
 scored. Under SP the copy lives on other ranks than the original, so the task cannot be learned unless attention
@@ -33,13 +33,18 @@ rules 1, 2, 3 and 4 of ulysses.py):
 
 import argparse
 import datetime
+import errno
+import fcntl
+import hashlib
 import json
 import math
 import os
 import shutil
+import socket
+import threading
 import time
 import traceback
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from functools import partial
 
 import torch
@@ -53,14 +58,24 @@ import data
 import ring
 import ulysses
 from gpt import GPT, GPTConfig
-from zero3 import ZeRO3, fsdp2_shard, load_whole_state, whole_state
+from zero3 import ZeRO3, fsdp2_shard, held, load_pieces, optimizer_scalars, prepare_optimizer, whole
 
+WEEK = 7 * 24 * 3600
 MODEL_FIELDS = ("n_layer", "n_head", "n_kv_head", "n_embd", "window", "layer_pattern", "gdn_k_heads", "gdn_v_heads",
                 "gdn_k_dim", "gdn_v_dim")  # what shapes the model
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """--help shows each flag's default; a default of None (the help says what stands in) or a switch's False
+    is left out."""
+
+    def _get_help_string(self, action):
+        return action.help if action.default is None or action.default is False else super()._get_help_string(action)
+
+
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description="Ulysses sequence-parallel GPT training", allow_abbrev=False)
+    p = argparse.ArgumentParser(description="Ulysses sequence-parallel GPT training", allow_abbrev=False,
+                                formatter_class=HelpFormatter)
     p.add_argument("--sp", type=int, help="sequence-parallel size (default: every rank); dp = world size / sp")
     p.add_argument("--ring", type=int, default=1, help="ring degree R: each SP group of --sp ranks is a ring of R "
                    "Ulysses groups of sp/R ranks (Ulysses x Ring, ring.py); 1: Ulysses alone")
@@ -72,11 +87,11 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, help="warmup steps (default: steps/10)")
     p.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay, on every parameter")
     p.add_argument("--grad-clip", type=float, default=1.0, help="max global gradient norm (0: off)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="fixes the initial model and the data")
     p.add_argument("--n-layer", type=int, help="layers (default: 2, or the length of --layer-pattern)")
-    p.add_argument("--n-head", type=int, default=4)
+    p.add_argument("--n-head", type=int, default=4, help="query heads of softmax attention")
     p.add_argument("--n-kv-head", type=int, help="key/value heads (default: n_head)")
-    p.add_argument("--n-embd", type=int, default=128)
+    p.add_argument("--n-embd", type=int, default=128, help="hidden size")
     p.add_argument("--window", type=int, default=0, help="sliding-window attention over this many tokens (0: full)")
     p.add_argument("--layer-pattern", default="a", help="each layer's kind, repeated over the layers: a = softmax "
                    "attention, d = Gated DeltaNet (linear attention); e.g. ddda")
@@ -98,8 +113,13 @@ def parse_args(argv=None):
     p.add_argument("--compile", action="store_true", help="compile each block with torch.compile (inductor), the "
                    "all-to-alls traced through; the first step of each new shape compiles")
     p.add_argument("--out-dir", help="write checkpoints here (at the end, and every --save-every steps)")
-    p.add_argument("--save-every", type=int, default=0)
-    p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --out-dir")
+    p.add_argument("--save-every", type=int, default=0, help="also write a checkpoint every N steps (0: at the end "
+                   "only)")
+    p.add_argument("--keep", type=int, default=0, help="keep only the newest N checkpoints in --out-dir (0: all)")
+    p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --out-dir that "
+                   "passes verification")
+    p.add_argument("--new-schedule", action="store_true", help="with --resume: accept --steps, --lr or --warmup "
+                   "other than the checkpoint's (the learning rate moves to the new schedule at once)")
     p.add_argument("--timeout", type=float, default=300, help="seconds a collective may wait for a peer")
     p.add_argument("--metrics", help="write one JSON line per optimizer step to this file")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu")
@@ -109,27 +129,62 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
-    if args.plan:
-        return plan(args)
-    world_size = int(os.environ.get("WORLD_SIZE", 1))
-    check_args(args, world_size)  # every mistake is found before any process waits on another
-    check_memory(args, world_size)  # and a run that cannot fit is refused before it allocates anything
-    try:
-        documents = None if args.data is None else data.read_documents(args.data, args.pack, args.seq_len)
-    except ValueError as e:
-        fail(f"--data {args.data}: {e}")
-    checkpoint = find_checkpoint(args, world_size)
+    rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    try:  # the flags alone: every rank finds the same mistake, before any process waits on another
+        if args.plan:
+            if not plan(args):
+                raise SystemExit(1)  # its line says why
+            return True
+        check_args(args, world_size)
+    except Mistake as e:
+        raise SystemExit(f"train.py: error: {e}" if rank == 0 else 0) from None  # rank 0 says it, once
     owns_process_group = not dist.is_initialized()
-    device, mesh = setup(args, world_size)
+    device, mesh, control = setup(args, world_size)
+    lock = None
     try:
+        # what depends on this machine (files, free memory) may differ between ranks: they agree before going on
+        documents, lock = agreed(control, partial(prepare, args, world_size, rank))
+        checkpoint = find_checkpoint(args, world_size, control)
         return train(args, world_size, mesh, device, documents, checkpoint)
+    except Mistake as e:  # found alike on every rank (a non-finite loss, a broken checkpoint): rank 0 says it
+        raise SystemExit(f"train.py: error: {e}" if rank == 0 else 0) from None
     finally:
+        if lock:
+            lock.close()  # releases the out-dir for the next run
+        dist.destroy_process_group(control)
         if owns_process_group:
             dist.destroy_process_group()
 
 
+def prepare(args, world_size, rank):
+    """What each rank checks on its own machine before the run: the data, the memory, the out-dir (rank 0 locks
+    it). Returns (documents, the lock or None)."""
+    check_memory(args, world_size)  # a run that cannot fit is refused before it allocates anything
+    if rank == 0 and args.metrics:  # rank 0 writes it
+        if os.path.isdir(args.metrics):
+            fail(f"--metrics {args.metrics} is a directory; give a file name, e.g. "
+                 f"{os.path.join(args.metrics, 'metrics.jsonl')}")
+        if not os.access(os.path.dirname(os.path.abspath(args.metrics)), os.W_OK):
+            fail(f"--metrics: cannot write into {os.path.dirname(os.path.abspath(args.metrics))}")
+    try:
+        documents = None if args.data is None else data.read_documents(args.data, args.pack, args.seq_len)
+    except ValueError as e:
+        fail(f"--data {args.data}: {e}")
+    if args.out_dir is None:
+        return documents, None
+    try:
+        os.makedirs(args.out_dir, exist_ok=True)
+    except OSError as e:
+        fail(f"--out-dir {args.out_dir}: {e.strerror}")
+    if not os.access(args.out_dir, os.W_OK):
+        fail(f"--out-dir: cannot write into {args.out_dir}")
+    return documents, lock_out_dir(args.out_dir) if rank == 0 else None
+
+
 def setup(args, world_size):
-    """Device, process group (with a timeout, so a dead peer ends the run) and the dp x sp mesh."""
+    """Device, process group (with a timeout, so a dead peer ends the run), the dp x sp mesh, and a gloo group
+    over every rank for agreeing on problems and checkpoints, whose wait has no --timeout deadline (how long a rank
+    takes to write or check its part of a checkpoint depends on the storage; a dead peer is ended by torchrun)."""
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if args.device == "cuda":
         torch.cuda.set_device(local_rank)
@@ -155,7 +210,8 @@ def setup(args, world_size):
                             mesh_dim_names=("dp", "ring", "ulysses"))
     # mesh ranks = arange(world).view(dp, ring, ulysses): an SP group is sp consecutive ranks, a Ulysses group
     # sp/ring consecutive ranks (the fastest links), and a ring the ranks at the same place in each Ulysses group
-    return device, mesh
+    control = dist.new_group(backend="gloo", timeout=datetime.timedelta(days=1))
+    return device, mesh, control
 
 
 def train(args, world_size, mesh, device, documents, checkpoint):
@@ -184,6 +240,9 @@ def train(args, world_size, mesh, device, documents, checkpoint):
               f"| "
               f"seq {args.seq_len} | global batch {dp * args.batch_size * args.grad_accum} sequences | {device} | "
               f"{args.dtype} | predicted peak {predicted(args, world_size)['peak'] / 2**20:,.2f} MiB per rank")
+        if documents is not None:
+            samples = args.steps * dp * args.batch_size * args.grad_accum
+            print(f"data {args.data}: {data.describe(documents, args.pack, args.seq_len, samples)}")
 
     memory = PeakMemory(model, optimizer, zero, device)
     metrics = open_metrics(args, start_step) if rank == 0 else None
@@ -192,15 +251,18 @@ def train(args, world_size, mesh, device, documents, checkpoint):
     ring.reset_ring_stats()
     bar = tqdm(range(start_step, args.steps), disable=rank != 0, dynamic_ncols=True, initial=start_step,
                total=args.steps)
+    progress = StepProgress(model, bar)
     step = start_step
     try:
         for step in bar:
             t0 = time.perf_counter()
+            progress.begin(step)
             micro_batches = [load_micro_batch(args, documents, step, micro, dp, dp_rank, sp_groups, device)
                              for micro in range(args.grad_accum)]
             with memory.measure(step == args.steps - 1):  # every step is alike: the last one is measured
                 loss, accuracy, grad_norm, lr = train_step(step, micro_batches, model, zero, optimizer, args)
             seconds = time.perf_counter() - t0
+            progress.end()
             tokens = dp * args.grad_accum * args.batch_size * args.seq_len  # the global batch's, padding excluded
             history.append({"step": step + 1, "loss": loss, "grad_norm": grad_norm, "lr": lr, "tokens": tokens,
                             "seconds": seconds, "accuracy": accuracy})
@@ -212,6 +274,7 @@ def train(args, world_size, mesh, device, documents, checkpoint):
     except RuntimeError as e:
         raise collective_failure(e, rank, step, args) from None
     finally:
+        progress.close()
         bar.close()
         if metrics:
             metrics.close()
@@ -300,14 +363,36 @@ def model_flags(args):
 # Below this line: what a reader may skip. Checkpoint files, failure handling, memory and reporting.
 # ================================================================================================================
 
-# checkpoints: DIR/step_000020/{trainer.pt, model.pt, optimizer.pt}, each whole (not sharded), keyed by parameter
-# name, so any layout can resume any checkpoint. Rank 0 writes step_000020.tmp and renames it when complete, so a
-# directory without .tmp is always whole.
+# checkpoints: DIR/step_000020/ holds
+#   shard_00001-of-00004.pt  what rank 1 of 4 held: a run of each parameter's flattened float32 values and of its
+#                            AdamW moments, by parameter name (zero3.held), so any layout reads back what it needs
+#   trainer.pt               the step, which fixes the LR schedule and the data position, the flags, the RNG state
+#   manifest.json            every file's size and SHA-256, written last
+# Every rank writes its own shard at once (unsharded, with --zero 0, each writes 1/N of it), each file flushed to
+# disk (fsync) in step_000020.tmp, which rank 0 renames once every rank's marker says its files are there: a
+# directory without .tmp is whole. The ranks wait for the markers on the file system, not in a collective, so
+# the writing has no --timeout deadline. Loading checks every file against the manifest, the ranks sharing the
+# reading, and falls back to the newest checkpoint that passes.
+
+MANIFEST = "manifest.json"
+
+
+def checkpoints(out_dir):
+    """The complete checkpoints in out_dir (those with a manifest), newest first."""
+    steps = [int(name[5:]) for name in os.listdir(out_dir) if name.startswith("step_") and name[5:].isdigit()
+             and os.path.exists(os.path.join(out_dir, name, MANIFEST))]
+    return [os.path.join(out_dir, f"step_{step:06d}") for step in sorted(steps, reverse=True)]
 
 
 def newest_checkpoint(out_dir):
-    steps = [int(name[5:]) for name in os.listdir(out_dir) if name.startswith("step_") and name[5:].isdigit()]
-    return os.path.join(out_dir, f"step_{max(steps):06d}") if steps else None
+    return next(iter(checkpoints(out_dir)), None)
+
+
+def checkpoint_weights(path):
+    """A checkpoint's model weights, whole and by parameter name, in one process, whatever layout wrote it."""
+    with open(os.path.join(path, MANIFEST)) as f:
+        shards = [name for name in json.load(f)["files"] if name.startswith("shard_")]
+    return whole(torch.load(os.path.join(path, name), mmap=True, weights_only=True) for name in shards)
 
 
 def data_flags(args, world_size):
@@ -317,72 +402,296 @@ def data_flags(args, world_size):
             "pack": args.pack}
 
 
-def find_checkpoint(args, world_size):
-    """The checkpoint this run continues from, read and checked whole: (trainer state, model state, optimizer
-    state), or None to start afresh. --resume asks for one; a group that torchrun restarted (--max-restarts)
-    takes the newest one by itself."""
-    path = newest_checkpoint(args.out_dir) if args.out_dir else None
-    if args.resume and path is None:
-        fail(f"--resume: no complete checkpoint in --out-dir {args.out_dir}")
-    if path is None:
-        return None
-    if not (args.resume or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0):
-        fail(f"--out-dir {args.out_dir} already holds checkpoints; add --resume to continue from "
-             f"{os.path.basename(path)}, or choose another directory")
+def schedule(args):
+    """What fixes the learning rate of every step (lr_at)."""
+    return {"steps": args.steps, "lr": args.lr, "warmup": args.warmup}
 
-    def load(name):
+
+def gathered(control, value):
+    """Every rank's value, in rank order, on every rank (one small all-gather)."""
+    values = [None] * dist.get_world_size(control)
+    dist.all_gather_object(values, value, group=control)
+    return values
+
+
+def agreed(control, work):
+    """Run work() on every rank and return its result; if it raises Mistake on any rank, every rank stops."""
+    try:
+        result, problem = work(), None
+    except Mistake as e:
+        result, problem = None, str(e)
+    stop_on(gathered(control, problem), dist.get_rank(control))
+    return result
+
+
+def stop_on(problems, rank):
+    """problems: one line or None per rank, the same list on every rank. If there is one, every rank stops: the
+    first rank with one says it (naming itself unless every rank found the same), and the others leave with
+    status 0, as the run fails with that rank all the same."""
+    if any(problems):
+        first = next(r for r, p in enumerate(problems) if p)
+        alike = all(p == problems[first] for p in problems)
+        raise SystemExit(f"train.py: error: {'' if alike else f'rank {first}: '}{problems[first]}"
+                         if rank == first else 0)
+
+
+def lock_out_dir(out_dir):
+    """An exclusive lock on out_dir for this run (flock: the system lifts it when the process ends, however it
+    ends); refused if another live run holds it. Removes what an ended run left half-written (*.tmp)."""
+    lock = open(os.path.join(out_dir, ".lock"), "a+")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        lock.seek(0)
+        holder = lock.read().strip() or "running"
+        lock.close()
+        fail(f"--out-dir {out_dir} is in use by another run ({holder}); wait for it to end, or choose another "
+             f"directory")
+    lock.truncate(0)
+    lock.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+    lock.flush()
+    for name in os.listdir(out_dir):
+        if name.startswith("step_") and name.endswith(".tmp"):
+            shutil.rmtree(os.path.join(out_dir, name), ignore_errors=True)
+    return lock
+
+
+class _Hashing:
+    """A file that hashes what is written to it (torch.save writes its zip archive in order)."""
+
+    def __init__(self, f):
+        self.f, self.digest = f, hashlib.sha256()
+
+    def write(self, data):
+        self.digest.update(data)
+        return self.f.write(data)
+
+    def flush(self):
+        self.f.flush()
+
+
+def write_files(directory, files):
+    """Write {name: object} into directory (torch.save, or JSON for *.json), each flushed to the disk (fsync),
+    and return {name: {"bytes", "sha256"}}. A failure is a Mistake naming it, a full disk as such."""
+    written = {}
+    for name, obj in files.items():
+        path = os.path.join(directory, name)
         try:
-            return torch.load(os.path.join(path, name), weights_only=True)
-        except Exception as e:  # truncated, foreign or missing files all end here
-            fail(f"checkpoint {path} is unreadable (truncated, or not written by train.py): {name}: "
-                 f"{str(e).splitlines()[0][:100]}")
-    trainer = load("trainer.pt")
-    if not (isinstance(trainer, dict) and {"step", "world_size", "zero", "model", "data", "rng"} <= trainer.keys()):
-        fail(f"checkpoint {path} is unreadable (truncated, or not written by train.py): trainer.pt: no trainer state")
-    if {**model_flags(args), **trainer["model"]} != model_flags(args):  # a field the checkpoint lacks: as resolved
-        fail(f"checkpoint {path} holds a model with {trainer['model']}; the flags ask for {model_flags(args)}")
-    if int(os.environ.get("RANK", 0)) == 0 and trainer["data"] != data_flags(args, world_size):
-        print(f"note: the checkpoint was trained with {trainer['data']}; this run has {data_flags(args, world_size)}, "
-              f"so its steps will not repeat the original run's")
-    trainer["path"] = path
-    return trainer, load("model.pt"), load("optimizer.pt")
+            os.makedirs(directory, exist_ok=True)
+            with open(path, "wb") as f:
+                out = _Hashing(f)
+                if name.endswith(".json"):
+                    out.write(json.dumps(obj).encode())
+                else:
+                    torch.save(obj, out)
+                f.flush()
+                os.fsync(f.fileno())
+        except (OSError, RuntimeError) as e:  # torch.save reports a full disk as a RuntimeError of its zip writer
+            with suppress(OSError):
+                os.remove(path)
+            free = shutil.disk_usage(directory).free if os.path.isdir(directory) else 0
+            if getattr(e, "errno", None) == errno.ENOSPC or free < 2**20:
+                fail(f"no space left on the device of {directory} ({free / 2**20:,.1f} MiB free) for {name}; "
+                     f"free some, or keep fewer checkpoints (--keep)")
+            fail(f"cannot write {path}: {getattr(e, 'strerror', None) or str(e).splitlines()[0]}")
+        written[name] = {"bytes": os.path.getsize(path), "sha256": out.digest.hexdigest()}
+    return written
+
+
+def sha256(path):
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(2**24):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def save_checkpoint(args, step, model, zero, optimizer, world_size, rank):
-    model_state, optimizer_state = whole_state(model, optimizer, zero)  # collectives: every rank
-    if rank == 0:
-        final = os.path.join(args.out_dir, f"step_{step:06d}")
-        tmp = final + ".tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
-        torch.save(model_state, os.path.join(tmp, "model.pt"))
-        torch.save(optimizer_state, os.path.join(tmp, "optimizer.pt"))
-        # the step fixes the data position and the LR schedule; every rank drew the same random numbers so far
-        torch.save({"step": step, "world_size": world_size, "zero": args.zero, "data": data_flags(args, world_size),
-                    "model": model_flags(args), "rng": torch.get_rng_state()}, os.path.join(tmp, "trainer.pt"))
-        os.replace(tmp, final)  # atomic: the checkpoint exists whole or not at all
-    dist.barrier()
+    """Every rank writes its files, then a small marker naming them (or its problem); every rank waits for all
+    the markers, which is not a collective, so there is no deadline on the writing, only on a rank that makes no
+    progress at all (wait_for_markers). Rank 0 then writes the manifest and makes the checkpoint whole."""
+    t0 = time.perf_counter()
+    final = os.path.join(args.out_dir, f"step_{step:06d}")
+    pieces = held(model, optimizer, zero)
+    if args.zero == "0":  # every rank holds everything: each writes its 1/N run of every parameter
+        cut = lambda n: slice(n * rank // world_size, n * (rank + 1) // world_size)
+        pieces = {name: (shape, start + cut(len(v["param"])).start,
+                         {k: t[cut(len(t))].clone() for k, t in v.items()})  # torch.save writes a view's storage
+                  for name, (shape, start, v) in pieces.items()}
+    files = {f"shard_{rank:05d}-of-{world_size:05d}.pt": pieces}
+    if rank == 0:  # every rank drew the same random numbers so far
+        files["trainer.pt"] = {"step": step, "world_size": world_size, "zero": args.zero, "model": model_flags(args),
+                               "data": data_flags(args, world_size), "schedule": schedule(args),
+                               "optimizer": optimizer_scalars(optimizer), "rng": torch.get_rng_state()}
+    try:
+        with heartbeat(os.path.join(final + ".tmp", f"rank_{rank:05d}.alive"), min(1.0, args.timeout / 4)):
+            marker = {"files": write_files(final + ".tmp", files), "problem": None}
+    except Mistake as e:
+        marker = {"files": {}, "problem": str(e)}
+    write_files(final + ".tmp", {f"rank_{rank:05d}.part.json": marker})
+    os.replace(os.path.join(final + ".tmp", f"rank_{rank:05d}.part.json"),  # whole, or not there
+               os.path.join(final + ".tmp", f"rank_{rank:05d}.json"))
+    markers = wait_for_markers(final + ".tmp", final, world_size, args.timeout) or []
+    stop_on([m["problem"] for m in markers], rank)
+    if rank != 0:
+        return
+    manifest = {"step": step, "files": {name: f for m in markers for name, f in m["files"].items()}}
+    write_files(final + ".tmp", {MANIFEST: manifest})  # last: a checkpoint with a manifest is complete
+    for r in range(world_size):
+        for name in (f"rank_{r:05d}.json", f"rank_{r:05d}.alive"):
+            os.remove(os.path.join(final + ".tmp", name))
+    os.replace(final + ".tmp", final)
+    directory = os.open(args.out_dir, os.O_RDONLY)  # the rename itself reaches the disk
+    os.fsync(directory)
+    os.close(directory)
+    for old in checkpoints(args.out_dir)[args.keep or len(checkpoints(args.out_dir)):]:  # --keep N: the newest N
+        shutil.rmtree(old)
+    size = sum(f["bytes"] for f in manifest["files"].values())
+    tqdm.write(f"saved {final}: {len(manifest['files'])} files, {size / 2**20:,.2f} MiB, in "
+               f"{time.perf_counter() - t0:.2f} s")
+
+
+@contextmanager
+def heartbeat(path, every):
+    """Touch `path` every `every` seconds from a thread while the block runs, so that other processes see this one
+    live however long its writing takes (a flush to slow storage, say); one that hangs or was stopped falls
+    silent."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    stop = threading.Event()
+
+    def beat():
+        while True:
+            with suppress(OSError), open(path, "a"):
+                os.utime(path)
+            if stop.wait(every):
+                return
+    thread = threading.Thread(target=beat, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+
+
+def wait_for_markers(directory, final, world_size, timeout):
+    """Every rank's marker in directory, in rank order; or None once `final` is complete (rank 0 has read them
+    all and renamed the directory). Waits while anything in directory changes (files growing, heartbeats); a
+    Mistake once nothing has for `timeout` seconds (a rank that died or hangs)."""
+    markers, seen, since = {}, None, time.monotonic()
+    while len(markers) < world_size:
+        for r in set(range(world_size)) - set(markers):
+            with suppress(FileNotFoundError), open(os.path.join(directory, f"rank_{r:05d}.json")) as f:
+                markers[r] = json.load(f)
+        if os.path.exists(os.path.join(final, MANIFEST)):
+            return None
+        with suppress(FileNotFoundError):  # the directory itself goes when rank 0 renames it
+            now = sorted((entry.name, entry.stat().st_size, entry.stat().st_mtime_ns)
+                         for entry in os.scandir(directory))
+            if now != seen:
+                seen, since = now, time.monotonic()
+            elif time.monotonic() - since > timeout:
+                missing = sorted(set(range(world_size)) - set(markers))
+                fail(f"checkpoint {directory}: ranks {missing} gave no sign of life for --timeout {timeout:g} s (a "
+                     f"peer process died, or hangs)")
+        time.sleep(0.05)
+    return [markers[r] for r in range(world_size)]
+
+
+def verify(path, rank, world_size):
+    """The first problem with this rank's share of the checkpoint's files (every world_size-th, from the rank-th),
+    or None: each must have the size and the SHA-256 that the manifest gives."""
+    try:
+        with open(os.path.join(path, MANIFEST)) as f:
+            files = sorted(json.load(f)["files"].items())
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return f"{MANIFEST} is unreadable"
+    for name, expected in files[rank::world_size]:
+        file = os.path.join(path, name)
+        if not os.path.exists(file):
+            return f"{name} is missing"
+        if os.path.getsize(file) != expected["bytes"]:
+            return f"{name} has {os.path.getsize(file):,} bytes, not {expected['bytes']:,}"
+        if sha256(file) != expected["sha256"]:
+            return f"{name} does not match its SHA-256 (changed on the disk)"
+    return None
+
+
+def find_checkpoint(args, world_size, control):
+    """The checkpoint this run continues from: (its path, its trainer state), or None to start afresh. --resume
+    asks for one; a group that torchrun restarted (--max-restarts) takes the newest one by itself. A checkpoint
+    that fails verification is reported in one line and moved aside (step_000020.damaged), and the next older one
+    is tried."""
+    paths = checkpoints(args.out_dir) if args.out_dir else []
+    if args.resume and not paths:
+        fail(f"--resume: no complete checkpoint in --out-dir {args.out_dir}")
+    if not paths:
+        return None
+    if not (args.resume or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0):
+        fail(f"--out-dir {args.out_dir} already holds checkpoints; add --resume to continue from "
+             f"{os.path.basename(paths[0])}, or choose another directory")
+    rank, t0 = dist.get_rank(), time.perf_counter()
+    for path in paths:
+        problems = [p for p in gathered(control, verify(path, rank, world_size)) if p]
+        if not problems:
+            break
+        if rank == 0:
+            print(f"note: checkpoint {path} fails verification ({problems[0]}); trying the one before it")
+    else:
+        fail(f"no checkpoint in --out-dir {args.out_dir} passes verification; start afresh in another directory")
+    for damaged in paths[:paths.index(path)] if rank == 0 else []:  # out of the way of the steps that redo them
+        shutil.rmtree(damaged + ".damaged", ignore_errors=True)
+        os.replace(damaged, damaged + ".damaged")
+    trainer = torch.load(os.path.join(path, "trainer.pt"), weights_only=True)
+    if {**model_flags(args), **trainer["model"]} != model_flags(args):  # a field the checkpoint lacks: as resolved
+        fail(f"checkpoint {path} holds a model with {trainer['model']}; the flags ask for {model_flags(args)}")
+    if trainer["schedule"] != schedule(args) and not args.new_schedule:
+        was = argparse.Namespace(**{**vars(args), **trainer["schedule"]})
+        changed = ", ".join(f"--{k} {trainer['schedule'][k]:g} -> {v:g}" for k, v in schedule(args).items()
+                            if trainer["schedule"][k] != v)
+        fail(f"{changed} against checkpoint {path} would move the learning rate of step {trainer['step'] + 1} from "
+             f"{lr_at(trainer['step'], was):.3g} to {lr_at(trainer['step'], args):.3g}; resume with the checkpoint's "
+             f"values, or add --new-schedule to accept it")
+    if rank == 0 and trainer["data"] != data_flags(args, world_size):
+        print(f"note: the checkpoint was trained with {trainer['data']}; this run has {data_flags(args, world_size)}, "
+              f"so its steps will not repeat the original run's")
+    return path, trainer, time.perf_counter() - t0
 
 
 def restore(checkpoint, model, zero, optimizer, rank):
     """Load a checkpoint written on any layout into this run. Returns the number of steps already done."""
-    trainer, model_state, optimizer_state = checkpoint
-    load_whole_state(model, optimizer, model_state, optimizer_state, zero)  # cut for this run's ranks
+    path, trainer, seconds = checkpoint
+    t0 = time.perf_counter()
+    with open(os.path.join(path, MANIFEST)) as f:
+        shards = [torch.load(os.path.join(path, name), mmap=True, weights_only=True)
+                  for name in json.load(f)["files"] if name.startswith("shard_")]
+    keys = {key for pieces in shards for _, _, values in pieces.values() for key in values} - {"param"}
+    prepare_optimizer(optimizer, keys, trainer["optimizer"])
+    load_pieces(held(model, optimizer, zero), shards)  # each rank copies what it holds out of every shard
     torch.set_rng_state(trainer["rng"])
     if rank == 0:
-        print(f"resuming from {trainer['path']} after step {trainer['step']} (written by {trainer['world_size']} "
-              f"ranks with --zero {trainer['zero']}): model and AdamW state carried over")
+        print(f"resuming from {path} after step {trainer['step']} (written by {trainer['world_size']} ranks with "
+              f"--zero {trainer['zero']}): model and AdamW state carried over; verified in {seconds:.2f} s, loaded "
+              f"in {time.perf_counter() - t0:.2f} s")
     return trainer["step"]
 
 
 def open_metrics(args, start_step):
-    """The --metrics file, or None. A resumed run keeps the lines up to its checkpoint and writes the rest anew."""
+    """The --metrics file, or None. A resumed run keeps the lines up to its checkpoint and writes the rest anew;
+    lines that are not whole records (a blank line, one cut short by a full disk) are dropped, and counted."""
     if not args.metrics:
         return None
-    kept = []
+    kept, dropped = [], 0
     if start_step and os.path.exists(args.metrics):
         with open(args.metrics) as f:
-            kept = [line for line in f if json.loads(line)["step"] <= start_step]
+            for line in f:
+                try:
+                    record = json.loads(line)
+                    kept += [line] if record["step"] <= start_step else []
+                except (ValueError, TypeError, KeyError):
+                    dropped += 1
+    if dropped:
+        print(f"note: --metrics {args.metrics}: dropped {dropped} line(s) that were not whole records")
     metrics = open(args.metrics, "w")
     metrics.writelines(kept)
     return metrics
@@ -392,11 +701,16 @@ def open_metrics(args, start_step):
 # mistakes and failures: one line, non-zero exit, and never a hang
 
 
+class Mistake(Exception):
+    """A mistake the user can fix, or a run that cannot go on: one line, non-zero exit, never a hang. main() and
+    agreed() turn it into that exit, printed once: where every rank finds the same mistake (the flags, a
+    non-finite loss), rank 0 says it and the others leave at once with status 0 (torchrun stops every process as
+    soon as one fails, and rank 0 might not have written its line yet; the run fails all the same, with rank 0);
+    where one rank alone may find it (its files, its memory), the ranks agree first (agreed)."""
+
+
 def fail(message):
-    """A mistake the user can fix: one line, non-zero exit, before any collective can hang. Every rank finds the
-    same mistake, and rank 0 reports it. The others leave at once with status 0: torchrun stops every process as
-    soon as one fails, and rank 0 might not have written its line yet. The run fails all the same, with rank 0."""
-    raise SystemExit(f"train.py: error: {message}" if int(os.environ.get("RANK", 0)) == 0 else 0)
+    raise Mistake(message)
 
 
 def check_args(args, world_size):
@@ -408,10 +722,11 @@ def check_args(args, world_size):
     args.n_layer = max(2, len(args.layer_pattern)) if args.n_layer is None else args.n_layer
     args.lr = (5e-4 if "d" in args.layer_pattern else 1e-3) if args.lr is None else args.lr
     args.warmup = max(1, args.steps // 10) if args.warmup is None else args.warmup
-    zero_means_default = ("window", "warmup", "save_every", "gdn_k_heads", "gdn_v_heads", "gdn_k_dim", "gdn_v_dim")
+    zero_means_default = ("window", "warmup", "save_every", "keep", "gdn_k_heads", "gdn_v_heads", "gdn_k_dim",
+                          "gdn_v_dim")
     for name in ("seq_len", "batch_size", "grad_accum", "steps", "n_layer", "n_head", "n_kv_head", "n_embd", "tiles",
                  *zero_means_default):
-        least = 0 if name in zero_means_default else 1  # window 0: full; save_every 0: at the end
+        least = 0 if name in zero_means_default else 1  # window 0: full; save_every 0: at the end; keep 0: all
         if getattr(args, name) < least:
             fail(f"--{name.replace('_', '-')} {getattr(args, name)} must be at least {least}")
     for name, zero_allowed in (("lr", False), ("weight_decay", True), ("grad_clip", True), ("timeout", False)):
@@ -419,6 +734,10 @@ def check_args(args, world_size):
         if not (math.isfinite(value) and (value >= 0 if zero_allowed else value > 0)):
             fail(f"--{name.replace('_', '-')} {value:g} must be a finite number "
                  f"{'of 0 or more' if zero_allowed else 'above 0'}")
+    if args.timeout > WEEK:  # a collective's deadline is a timedelta, which ends at 1e9 days; nobody waits a week
+        fail(f"--timeout {args.timeout:g} must be at most {WEEK} seconds (a week)")
+    if not 0 <= args.seed < 2**32:
+        fail(f"--seed {args.seed} must be in [0, 2**32)")
     if args.sp < 1 or world_size % args.sp:
         choices = ", ".join(str(p) for p in range(1, world_size + 1) if world_size % p == 0)
         fail(f"--sp {args.sp} does not divide the world size {world_size}; choose --sp in {{{choices}}}")
@@ -450,17 +769,8 @@ def check_args(args, world_size):
         fail("--offload keeps the block inputs that --recompute saves in CPU memory; add --recompute")
     if args.device == "cuda" and not torch.cuda.is_available() and args.plan is None:
         fail("--device cuda, but torch sees no CUDA device; choose --device cpu")
-    if (args.resume or args.save_every) and args.out_dir is None:
-        fail("--resume and --save-every need --out-dir")
-    if args.out_dir is not None:
-        try:
-            os.makedirs(args.out_dir, exist_ok=True)
-        except OSError as e:
-            fail(f"--out-dir {args.out_dir}: {e.strerror}")
-    metrics_dir = args.metrics and os.path.dirname(os.path.abspath(args.metrics))
-    for flag, directory in (("--out-dir", args.out_dir), ("--metrics", metrics_dir)):
-        if directory is not None and not os.access(directory, os.W_OK):
-            fail(f"{flag}: cannot write into {directory}")
+    if (args.resume or args.save_every or args.keep) and args.out_dir is None:
+        fail("--resume, --save-every and --keep need --out-dir")
 
 
 def ring_refusal(args):
@@ -630,8 +940,11 @@ def plan(args):
     try:
         gpus, gib = args.plan.lower().split("x")
         world_size, memory = int(gpus), float(gib) * 2**30
+        if world_size < 1 or not (math.isfinite(memory) and memory > 0):
+            raise ValueError
     except ValueError:
-        fail(f"--plan {args.plan}: write it as GPUSxGIB, e.g. 8x80 for 8 GPUs of 80 GiB")
+        fail(f"--plan {args.plan}: write it as GPUSxGIB, at least one GPU of more than 0 GiB, e.g. 8x80 for 8 GPUs "
+             f"of 80 GiB")
     check_args(args, world_size)
     fits, verdict = memory_verdict(args, world_size, memory, cuda=True)
     usp = f" (ulysses {args.sp // args.ring} x ring {args.ring})" if args.ring > 1 else ""
@@ -679,6 +992,50 @@ def _clear_module_stats(tracker, model, module, inputs):
 
 # ----------------------------------------------------------------------------------------------------------------
 # reporting
+
+
+class StepProgress:
+    """What a long step is doing, on rank 0's progress bar: once a step has run for `every` seconds, a thread
+    writes there, every `every` seconds, how long it has run and the layer it is in (forward or backward, from
+    hooks on the blocks), so that a step of minutes (a long sequence on a CPU) never sits silent."""
+
+    def __init__(self, model, bar, every=5.0):
+        self.bar, self.every, self.step, self.started, self.where = bar, every, 0, None, "before the first layer"
+        self.stop = threading.Event()
+        if bar.disable:  # not rank 0
+            return
+        self.in_backward = False
+        model.register_forward_pre_hook(lambda *hook_args: setattr(self, "in_backward", False))  # a micro-step
+        for i, block in enumerate(model.blocks):
+            layer = f"layer {i + 1}/{len(model.blocks)}"
+            block.register_forward_pre_hook(partial(self._forward, layer))
+            block.register_forward_hook(partial(self._backward_ahead, layer))
+        threading.Thread(target=self._show, daemon=True).start()
+
+    def _forward(self, layer, *hook_args):
+        self.where = f"{layer} backward, recomputing its forward" if self.in_backward else f"{layer} forward"
+
+    def _backward_ahead(self, layer, module, args, output):
+        if output.requires_grad:  # its gradient arrives when this layer's backward starts
+            output.register_hook(partial(self._backward, layer))
+
+    def _backward(self, layer, grad):
+        self.in_backward, self.where = True, f"{layer} backward"
+
+    def begin(self, step):
+        self.step, self.started, self.where = step, time.monotonic(), "before the first layer"
+
+    def end(self):
+        self.started = None
+
+    def close(self):
+        self.stop.set()
+
+    def _show(self):
+        while not self.stop.wait(self.every):
+            started = self.started
+            if started is not None and time.monotonic() - started >= self.every:
+                self.bar.set_postfix_str(f"step {self.step + 1}: {time.monotonic() - started:.0f} s in, {self.where}")
 
 
 def summarize(args, history, model, optimizer, n_params, world_size, device, rank):

@@ -38,9 +38,6 @@ from collections import namedtuple
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                     get_optimizer_state_dict, set_model_state_dict,
-                                                     set_optimizer_state_dict)
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -198,70 +195,6 @@ class ZeRO3:
             grad.mul_(scale)
         return norm
 
-    @torch.no_grad()
-    def _whole(self, shard_of):
-        """{parameter name: whole tensor on CPU} from one flat shard per unit (shard_of(unit): the parameter shard,
-        or optimizer state of the same shape), on every rank: one all-gather per unit."""
-        state = {}
-        for unit in self.units:
-            full = torch.empty(unit.shard.numel() * unit.world, device=unit.shard.device)  # (padded,) fp32
-            all_gather(full, shard_of(unit).detach(), group=self.group)
-            for slot, piece in zip(unit.slots, full.split(unit.sizes)):
-                state[slot.name] = piece.view(slot.shape).to("cpu", copy=True)
-        return state
-
-    def state_dict(self):
-        """The whole model's state on CPU with its original names and shapes, on every rank (all-gathers each
-        unit once): `GPT(cfg).load_state_dict(zero.state_dict())` works in a single process."""
-        state = self._whole(lambda unit: unit.shard)
-        state.update({name: buffer.cpu() for name, buffer in self.model.state_dict().items()})  # buffers only
-        return state
-
-    def optimizer_state_dict(self, optimizer):
-        """The optimizer's state for the whole model, by parameter name, as torch.distributed.checkpoint's
-        get_optimizer_state_dict(..., full_state_dict=True) gives it for a plain or FSDP2 model: {"state":
-        {name: {"step": ..., "exp_avg": ..., ...}}, "param_groups": [{..., "params": [names]}]}. State tensors
-        shaped like the shard (AdamW's moments) are gathered like the parameters; scalars (its step) are shared."""
-        per_unit = [optimizer.state[unit.shard] for unit in self.units]
-        names = [slot.name for unit in self.units for slot in unit.slots]
-        state = {name: {} for name in names}
-        for key, value in per_unit[0].items():
-            if value.dim() == 0:
-                for name in names:
-                    state[name][key] = value.detach().cpu().clone()
-            else:
-                for name, tensor in self._whole(lambda unit: optimizer.state[unit.shard][key]).items():
-                    state[name][key] = tensor
-        groups = [{**{k: v for k, v in group.items() if k != "params"}, "params": names}
-                  for group in optimizer.param_groups]
-        return {"state": state, "param_groups": groups}
-
-    @torch.no_grad()
-    def load_state_dict(self, state_dict):
-        """Load a whole-model state dict (from state_dict() with any N, or from a plain model) and keep this
-        rank's shards. The shards are updated in place, so an optimizer built on them stays valid."""
-        slots = [slot for unit in self.units for slot in unit.slots]
-        missing = [slot.name for slot in slots if slot.name not in state_dict]
-        wrong = [f"{slot.name}: {tuple(state_dict[slot.name].shape)} != {tuple(slot.shape)}"
-                 for slot in slots if slot.name in state_dict and state_dict[slot.name].shape != slot.shape]
-        if missing or wrong:
-            raise ValueError(f"state dict does not fit the model; missing: {missing}, wrong shapes: {wrong}")
-        names = {slot.name for slot in slots}
-        self.model.load_state_dict({k: v for k, v in state_dict.items() if k not in names})  # buffers; no extra keys
-        for unit in self.units:
-            unit.shard.copy_(unit.my_shard_of(state_dict[slot.name] for slot in unit.slots))
-
-    def load_optimizer_state_dict(self, optimizer, state_dict):
-        """Load a whole-model optimizer state (optimizer_state_dict with any N, or get_optimizer_state_dict of a
-        plain or FSDP2 model) into an optimizer built on parameters(): each unit keeps its own shard of it."""
-        state = state_dict["state"]
-        shards = {}
-        for i, unit in enumerate(self.units):
-            first = state[unit.slots[0].name]
-            shards[i] = {key: unit.my_shard_of(state[slot.name][key] for slot in unit.slots) if value.dim()
-                         else value.clone() for key, value in first.items()}
-        optimizer.load_state_dict({"state": shards, "param_groups": optimizer.state_dict()["param_groups"]})
-
 
 def fsdp2_shard(model, units, group, compute_dtype=None):
     """The same sharding done by PyTorch's FSDP2, for comparison: one FSDP unit per unit, then the root, with
@@ -277,21 +210,100 @@ def fsdp2_shard(model, units, group, compute_dtype=None):
     return model
 
 
-def whole_state(model, optimizer, zero=None):
-    """The model's and the optimizer's state, whole and by parameter name on CPU, however the model is sharded
-    (zero: a ZeRO3; FSDP2 and unsharded models need none). Collectives: call on every rank. The optimizer's is
-    torch.distributed.checkpoint's full optimizer state dict, which ZeRO3.optimizer_state_dict writes too."""
-    if zero:
-        return zero.state_dict(), zero.optimizer_state_dict(optimizer)
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    return get_model_state_dict(model, options=options), get_optimizer_state_dict(model, optimizer, options=options)
+# ----------------------------------------------------------------------------------------------------------------
+# checkpoints: every rank writes what it holds, and any layout reads back what it needs
+#
+# Whatever the sharding, what a rank holds of a parameter is one run of its flattened elements: ZeRO-3's flat
+# shard cuts each parameter it overlaps into one run, FSDP2's rows are one run, an unsharded rank holds all of it.
+# So a checkpoint is a set of pieces, (parameter name, first element, values), and loading is copying the overlap
+# of every stored piece with every piece this rank holds, whatever layout wrote them.
 
 
-def load_whole_state(model, optimizer, model_state, optimizer_state, zero=None):
-    """The inverse of whole_state, on any number of ranks: each keeps its own shards of the whole tensors."""
+def held(model, optimizer, zero=None):
+    """This rank's part of every parameter and of its optimizer state: {name: (shape, start, {"param": values,
+    and each optimizer state tensor of the parameter's shape (AdamW's moments): values})}, each a 1-D float32 view
+    of this rank's own storage holding the parameter's flattened elements [start, start + len). Copying into the
+    views loads them. Parameters this rank holds none of are left out. zero: a ZeRO3 (FSDP2 and unsharded models
+    need none)."""
+    pieces = {}
     if zero:
-        zero.load_state_dict(model_state)
-        return zero.load_optimizer_state_dict(optimizer, optimizer_state)
-    options = StateDictOptions(full_state_dict=True)
-    set_model_state_dict(model, model_state, options=options)
-    set_optimizer_state_dict(model, optimizer, optimizer_state, options=options)
+        for unit in zero.units:
+            lo = unit.rank * unit.shard.numel()  # this rank's shard is elements [lo, lo + shard size) of the unit
+            state = optimizer.state[unit.shard]
+            tensors = {"param": unit.shard.detach(),
+                       **{key: t for key, t in state.items() if t.shape == unit.shard.shape}}
+            offset = 0  # where the parameter starts in the unit's flat vector
+            for slot, n in zip(unit.slots, unit.sizes):
+                first, last = max(lo, offset), min(lo + unit.shard.numel(), offset + n)
+                if first < last:
+                    pieces[slot.name] = (slot.shape, first - offset, {key: t[first - lo:last - lo]
+                                                                     for key, t in tensors.items()})
+                offset += n
+        return pieces
+    local = lambda t: t.to_local() if hasattr(t, "to_local") else t  # FSDP2: DTensors sharded by rows (dim 0)
+    for name, p in model.named_parameters():
+        rows = p.shape[0] if p.dim() else 1
+        start = 0
+        if hasattr(p, "to_local"):  # FSDP2 cuts the rows as torch.chunk does: ceil(rows / N) a rank
+            N, rank = p.device_mesh.size(), p.device_mesh.get_local_rank()
+            start = min(rank * -(-rows // N), rows) * (p.numel() // max(rows, 1))
+        values = {"param": local(p).detach().view(-1),
+                  **{key: local(t).view(-1) for key, t in optimizer.state[p].items() if t.shape == p.shape}}
+        if values["param"].numel():
+            pieces[name] = (p.shape, start, values)
+    return pieces
+
+
+def optimizer_scalars(optimizer):
+    """The optimizer's state of other shapes than the parameters' (AdamW's step count), which is the same for
+    every parameter: {key: number}."""
+    scalars = {}
+    for state in optimizer.state.values():
+        for key, t in state.items():
+            if t.dim() == 0:
+                if scalars.setdefault(key, t.item()) != t.item():
+                    raise ValueError(f"optimizer state {key!r} differs between parameters")
+    return scalars
+
+
+def prepare_optimizer(optimizer, keys, scalars):
+    """Give every parameter of `optimizer` its state before a load writes into it: zeros shaped like the
+    parameter for each of `keys`, and `scalars` ({key: number}, from optimizer_scalars) as 0-dim tensors."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            optimizer.state[p] = {**{key: torch.tensor(float(v)) for key, v in scalars.items()},
+                                  **{key: torch.zeros_like(p) for key in keys}}
+
+
+@torch.no_grad()
+def load_pieces(mine, stored):
+    """Copy into `mine` (held() of this run) every overlap with `stored`, an iterable of {name: (shape, start,
+    values)} dicts as held() made them on the ranks of any layout. Raises ValueError if a parameter's shape
+    differs, or if some element of `mine` is in none of them."""
+    filled = dict.fromkeys(mine, 0)
+    for pieces in stored:
+        for name, (shape, start, values) in pieces.items():
+            if name not in mine:
+                continue
+            my_shape, my_start, my_values = mine[name]
+            if tuple(shape) != tuple(my_shape):
+                raise ValueError(f"{name} has shape {tuple(shape)}, the model {tuple(my_shape)}")
+            my_len = my_values["param"].numel()
+            first, last = max(start, my_start), min(start + values["param"].numel(), my_start + my_len)
+            if first < last:
+                for key, t in my_values.items():
+                    t[first - my_start:last - my_start].copy_(values[key][first - start:last - start])
+                filled[name] += last - first
+    missing = [name for name, n in filled.items() if n != mine[name][2]["param"].numel()]
+    if missing:
+        raise ValueError(f"no stored values for part of {', '.join(missing[:3])}{' ...' * (len(missing) > 3)}")
+
+
+def whole(stored, key="param"):
+    """{name: whole float32 tensor} of one entry of the pieces ("param", or an optimizer state such as "exp_avg")
+    that every rank's held() gave, whatever layout wrote them: a checkpoint's weights in one process."""
+    stored = [{name: (shape, start, {"param": values[key]}) for name, (shape, start, values) in pieces.items()}
+              for pieces in stored]
+    out = {name: torch.empty(shape) for pieces in stored for name, (shape, _, _) in pieces.items()}
+    load_pieces({name: (t.shape, 0, {"param": t.view(-1)}) for name, t in out.items()}, stored)
+    return out
