@@ -940,9 +940,9 @@ def test_copy_task_samples_depend_only_on_seed_and_index():
     assert sorted(drawn) == list(range(4 * 30, 5 * 30))
 
 
-def test_text_samples_are_windows_or_whole_paragraphs(tmp_path):
-    """--data: a window of the bytes with the next byte as label; or (--pack) whole paragraphs back to back,
-    positions restarting at each, and no label across a document's end."""
+def test_text_samples_are_windows_or_paragraphs(tmp_path):
+    """--data: a window of the bytes with the next byte as label; or (--pack) paragraphs back to back, positions
+    restarting at each, and no label across a document's end."""
     text = tmp_path / "text.txt"
     text.write_text(PARAGRAPHS)
     raw = PARAGRAPHS.encode()
@@ -1271,6 +1271,27 @@ def test_training_a_hybrid_model(model):
         _assert_same_training(history, reference, name)
 
 
+def test_a_long_step_says_where_it_is(monkeypatch):
+    """StepProgress: a step that runs for longer than its interval shows the step, its time and the layer on the
+    progress bar, forward and backward, and nothing once the step has ended."""
+    model = GPT(GPTConfig(n_layer=2, n_embd=32))
+    bar = train.tqdm(total=1, file=io.StringIO(), mininterval=0)
+    progress = train.StepProgress(model, bar, every=0.05)
+    for block in model.blocks:  # slow layers: 0.3 s each, forward and backward
+        block.register_forward_pre_hook(lambda *args: time.sleep(0.3))
+        next(block.parameters()).register_hook(lambda grad: time.sleep(0.3))
+    progress.begin(4)
+    idx = torch.zeros(1, 8, dtype=torch.long)
+    model(idx, torch.arange(8)[None], idx)[0].backward()
+    progress.end()
+    time.sleep(0.2)
+    progress.close()
+    shown = bar.fp.getvalue()
+    for where in ("layer 1/2 forward", "layer 2/2 forward", "layer 2/2 backward", "layer 1/2 backward"):
+        assert re.search(rf"step 5: \d+ s in, {where}", shown), (where, shown)
+    assert shown.rstrip().endswith("layer 1/2 backward]")  # the step ended: nothing more
+
+
 def test_torchrun_train_exits_zero(tmp_path):
     metrics = tmp_path / "metrics.jsonl"
     done = subprocess.run(torchrun(2) + ["--steps", "3", "--seq-len", "32", "--n-embd", "32", "--metrics",
@@ -1540,10 +1561,27 @@ def test_checkpoints_that_cannot_be_used_are_refused(tmp_path, monkeypatch):
         with pytest.raises(SystemExit, match=r"--out-dir \S+ is in use by another run \(pid \d+ on \S+\); wait for it "
                                              r"to end, or choose another directory"):
             train.main(SHORT_RUN + ["--out-dir", str(out_dir), "--resume"])
+    with pytest.raises(SystemExit, match=r"checkpoint \S+step_000007 is past --steps 6: it has done 7 steps$"):
+        train.main(SHORT_RUN + ["--out-dir", str(out_dir), "--resume", "--new-schedule"])
+    # torchrun restarting a run (--max-restarts) resumes by itself, but only from its own checkpoints
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "another-run")
+    with pytest.raises(SystemExit, match=r"already holds checkpoints of another run; add --resume to continue from "
+                                         r"step_000007"):
+        train.main(SHORT_RUN + ["--out-dir", str(out_dir), "--steps", "7"])
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT")
+    (out_dir / "step_000009").mkdir()  # a copy cut short, or a checkpoint of an older train.py
+    with pytest.raises(SystemExit, match=r"holds step_000009 without a manifest.json \(from an older train.py, or a "
+                                         r"copy cut short\); move it out of the directory$"):
+        train.main(SHORT_RUN + ["--out-dir", str(out_dir), "--resume"])
+    (out_dir / "step_000009").rmdir()
     for path in train.checkpoints(out_dir):
         (out_dir / path / "trainer.pt").write_bytes(b"")
     with pytest.raises(SystemExit, match=r"no checkpoint in --out-dir \S+ passes verification"):
         train.main(SHORT_RUN + ["--out-dir", str(out_dir), "--resume"])
+    kept = tmp_path / "kept"  # --keep 2: the newest two of the six
+    train.main(SHORT_RUN[:2] + ["--save-every", "1", "--keep", "2"] + SHORT_RUN[4:] + ["--out-dir", str(kept)])
+    assert sorted(os.listdir(kept)) == [".lock", "step_000005", "step_000006"]
 
 
 def test_metrics_lines_cut_short_are_dropped_on_resume(tmp_path, monkeypatch, capsys):
@@ -1588,15 +1626,28 @@ def test_an_error_on_one_rank_stops_every_rank_with_its_line(tmp_path):
 
 
 def test_a_save_slower_than_the_timeout_completes(tmp_path):
-    """A rank that takes 7 s to write its checkpoint files, with --timeout 3: the others wait for it, as no
+    """A rank that takes 9 s to write its checkpoint files, with --timeout 4: the others wait for it, as no
     collective deadline applies to the writing, and the run completes."""
     status, output, _ = _torchrun_patched(tmp_path, "write_files = train.write_files\n"
-                                          "train.write_files = lambda path, files: time.sleep(7 * any(name.startswith("
+                                          "train.write_files = lambda path, files: time.sleep(9 * any(name.startswith("
                                           "'shard') for name in files)) or write_files(path, files)",
-                                          ["--steps", "2", "--n-embd", "32", "--seq-len", "32", "--timeout", "3",
+                                          ["--steps", "2", "--n-embd", "32", "--seq-len", "32", "--timeout", "4",
                                            "--out-dir", str(tmp_path / "run")])
     assert status == 0, output[-3000:]
     assert [os.path.basename(p) for p in train.checkpoints(tmp_path / "run")] == ["step_000002"]
+
+
+def test_a_rank_that_hangs_while_saving_ends_the_run(tmp_path):
+    """A rank stuck in its writing, its heartbeat stopped too: the rank waiting for it names it after --timeout
+    seconds and the run fails, rather than waiting for ever."""
+    status, output, seconds = _torchrun_patched(tmp_path, "import contextlib\n"
+                                                "train.heartbeat = lambda path, every: contextlib.nullcontext()\n"
+                                                "train.write_files = lambda path, files: time.sleep(1000)",
+                                                ["--steps", "2", "--n-embd", "32", "--seq-len", "32", "--timeout", "4",
+                                                 "--out-dir", str(tmp_path / "run")])
+    assert status != 0 and seconds < 60, output[-3000:]
+    assert output.count("train.py: error: rank 0: checkpoint ") == 1, output[-3000:]
+    assert re.search(r"step_000002.tmp: ranks \[1\] gave no sign of life for --timeout 4 s", output)
 
 
 def test_a_full_disk_says_so(tmp_path, monkeypatch):

@@ -87,7 +87,8 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, help="warmup steps (default: steps/10)")
     p.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay, on every parameter")
     p.add_argument("--grad-clip", type=float, default=1.0, help="max global gradient norm (0: off)")
-    p.add_argument("--seed", type=int, default=0, help="fixes the initial model and the data")
+    p.add_argument("--seed", type=int, default=0, help="fixes the initial model and the samples (packed text "
+                   "is read in order)")
     p.add_argument("--n-layer", type=int, help="layers (default: 2, or the length of --layer-pattern)")
     p.add_argument("--n-head", type=int, default=4, help="query heads of softmax attention")
     p.add_argument("--n-kv-head", type=int, help="key/value heads (default: n_head)")
@@ -143,11 +144,14 @@ def main(argv=None):
     lock = None
     try:
         # what depends on this machine (files, free memory) may differ between ranks: they agree before going on
-        documents, lock = agreed(control, partial(prepare, args, world_size, rank))
+        documents = agreed(control, partial(prepare, args, world_size, rank))
+        if args.out_dir:  # then rank 0 alone holds the out-dir for this run
+            lock = agreed(control, lambda: lock_out_dir(args.out_dir) if rank == 0 else None)
         checkpoint = find_checkpoint(args, world_size, control)
         return train(args, world_size, mesh, device, documents, checkpoint)
-    except Mistake as e:  # found alike on every rank (a non-finite loss, a broken checkpoint): rank 0 says it
-        raise SystemExit(f"train.py: error: {e}" if rank == 0 else 0) from None
+    except Mistake as e:
+        raise SystemExit((f"train.py: error: {e}" if rank == 0 else 0) if e.alike else
+                         f"train.py: error: rank {rank}: {e}") from None
     finally:
         if lock:
             lock.close()  # releases the out-dir for the next run
@@ -157,8 +161,8 @@ def main(argv=None):
 
 
 def prepare(args, world_size, rank):
-    """What each rank checks on its own machine before the run: the data, the memory, the out-dir (rank 0 locks
-    it). Returns (documents, the lock or None)."""
+    """What each rank checks on its own machine before the run: the memory, the data, the out-dir. Returns the
+    documents of --data (None: the copy task)."""
     check_memory(args, world_size)  # a run that cannot fit is refused before it allocates anything
     if rank == 0 and args.metrics:  # rank 0 writes it
         if os.path.isdir(args.metrics):
@@ -171,20 +175,21 @@ def prepare(args, world_size, rank):
     except ValueError as e:
         fail(f"--data {args.data}: {e}")
     if args.out_dir is None:
-        return documents, None
+        return documents
     try:
         os.makedirs(args.out_dir, exist_ok=True)
     except OSError as e:
         fail(f"--out-dir {args.out_dir}: {e.strerror}")
     if not os.access(args.out_dir, os.W_OK):
         fail(f"--out-dir: cannot write into {args.out_dir}")
-    return documents, lock_out_dir(args.out_dir) if rank == 0 else None
+    return documents
 
 
 def setup(args, world_size):
     """Device, process group (with a timeout, so a dead peer ends the run), the dp x sp mesh, and a gloo group
-    over every rank for agreeing on problems and checkpoints, whose wait has no --timeout deadline (how long a rank
-    takes to write or check its part of a checkpoint depends on the storage; a dead peer is ended by torchrun)."""
+    over every rank for agreeing on problems before the run and on which checkpoint verifies, whose wait has no
+    --timeout deadline (how long a rank takes to check its part of a checkpoint depends on the storage; a dead peer
+    is ended by torchrun)."""
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if args.device == "cuda":
         torch.cuda.set_device(local_rank)
@@ -388,11 +393,16 @@ def newest_checkpoint(out_dir):
     return next(iter(checkpoints(out_dir)), None)
 
 
+def shards(path):
+    """The pieces every rank of the layout that wrote the checkpoint held, read lazily (mmap)."""
+    with open(os.path.join(path, MANIFEST)) as f:
+        names = [name for name in json.load(f)["files"] if name.startswith("shard_")]
+    return [torch.load(os.path.join(path, name), mmap=True, weights_only=True) for name in names]
+
+
 def checkpoint_weights(path):
     """A checkpoint's model weights, whole and by parameter name, in one process, whatever layout wrote it."""
-    with open(os.path.join(path, MANIFEST)) as f:
-        shards = [name for name in json.load(f)["files"] if name.startswith("shard_")]
-    return whole(torch.load(os.path.join(path, name), mmap=True, weights_only=True) for name in shards)
+    return whole(shards(path))
 
 
 def data_flags(args, world_size):
@@ -437,11 +447,15 @@ def stop_on(problems, rank):
 
 def lock_out_dir(out_dir):
     """An exclusive lock on out_dir for this run (flock: the system lifts it when the process ends, however it
-    ends); refused if another live run holds it. Removes what an ended run left half-written (*.tmp)."""
+    ends); refused if another live run holds it. Removes what an ended run left half-written or half-deleted."""
     lock = open(os.path.join(out_dir, ".lock"), "a+")
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
+    except OSError as e:
+        if not isinstance(e, BlockingIOError):  # a file system without locks
+            lock.close()
+            fail(f"--out-dir {out_dir}: cannot lock it ({e.strerror}); choose a directory on a file system that "
+                 f"has flock")
         lock.seek(0)
         holder = lock.read().strip() or "running"
         lock.close()
@@ -451,7 +465,7 @@ def lock_out_dir(out_dir):
     lock.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
     lock.flush()
     for name in os.listdir(out_dir):
-        if name.startswith("step_") and name.endswith(".tmp"):
+        if name.startswith("step_") and name.endswith((".tmp", ".deleting")):
             shutil.rmtree(os.path.join(out_dir, name), ignore_errors=True)
     return lock
 
@@ -492,8 +506,8 @@ def write_files(directory, files):
             free = shutil.disk_usage(directory).free if os.path.isdir(directory) else 0
             if getattr(e, "errno", None) == errno.ENOSPC or free < 2**20:
                 fail(f"no space left on the device of {directory} ({free / 2**20:,.1f} MiB free) for {name}; "
-                     f"free some, or keep fewer checkpoints (--keep)")
-            fail(f"cannot write {path}: {getattr(e, 'strerror', None) or str(e).splitlines()[0]}")
+                     f"free some, or keep fewer checkpoints (--keep)", alike=False)
+            fail(f"cannot write {path}: {getattr(e, 'strerror', None) or str(e).splitlines()[0]}", alike=False)
         written[name] = {"bytes": os.path.getsize(path), "sha256": out.digest.hexdigest()}
     return written
 
@@ -507,11 +521,13 @@ def sha256(path):
 
 
 def save_checkpoint(args, step, model, zero, optimizer, world_size, rank):
-    """Every rank writes its files, then a small marker naming them (or its problem); every rank waits for all
-    the markers, which is not a collective, so there is no deadline on the writing, only on a rank that makes no
-    progress at all (wait_for_markers). Rank 0 then writes the manifest and makes the checkpoint whole."""
+    """Every rank writes its files, then a small marker naming them (or its problem), and waits on the file
+    system, not in a collective, so the writing has no deadline: only a rank whose heartbeat stops for --timeout
+    seconds ends the run (wait_for_markers). Once every marker is there, rank 0 writes the manifest, removes what
+    --keep leaves out and renames the directory; the others go on when the manifest is in place."""
     t0 = time.perf_counter()
     final = os.path.join(args.out_dir, f"step_{step:06d}")
+    tmp, every = final + ".tmp", min(1.0, args.timeout / 4)
     pieces = held(model, optimizer, zero)
     if args.zero == "0":  # every rank holds everything: each writes its 1/N run of every parameter
         cut = lambda n: slice(n * rank // world_size, n * (rank + 1) // world_size)
@@ -522,30 +538,34 @@ def save_checkpoint(args, step, model, zero, optimizer, world_size, rank):
     if rank == 0:  # every rank drew the same random numbers so far
         files["trainer.pt"] = {"step": step, "world_size": world_size, "zero": args.zero, "model": model_flags(args),
                                "data": data_flags(args, world_size), "schedule": schedule(args),
-                               "optimizer": optimizer_scalars(optimizer), "rng": torch.get_rng_state()}
+                               "optimizer": optimizer_scalars(optimizer), "rng": torch.get_rng_state(),
+                               "run": os.environ.get("TORCHELASTIC_RUN_ID")}
     try:
-        with heartbeat(os.path.join(final + ".tmp", f"rank_{rank:05d}.alive"), min(1.0, args.timeout / 4)):
-            marker = {"files": write_files(final + ".tmp", files), "problem": None}
-    except Mistake as e:
+        os.makedirs(tmp, exist_ok=True)
+        with heartbeat(os.path.join(tmp, f"rank_{rank:05d}.alive"), every):
+            marker = {"files": write_files(tmp, files), "problem": None}
+    except (Mistake, OSError) as e:
         marker = {"files": {}, "problem": str(e)}
-    write_files(final + ".tmp", {f"rank_{rank:05d}.part.json": marker})
-    os.replace(os.path.join(final + ".tmp", f"rank_{rank:05d}.part.json"),  # whole, or not there
-               os.path.join(final + ".tmp", f"rank_{rank:05d}.json"))
-    markers = wait_for_markers(final + ".tmp", final, world_size, args.timeout) or []
-    stop_on([m["problem"] for m in markers], rank)
+    write_files(tmp, {f"rank_{rank:05d}.part.json": marker})
+    os.replace(os.path.join(tmp, f"rank_{rank:05d}.part.json"), os.path.join(tmp, f"rank_{rank:05d}.json"))
+    markers = wait_for_markers(tmp, final, world_size, rank, args.timeout)
+    stop_on([markers[r]["problem"] if r in markers else None for r in range(world_size)], rank)
     if rank != 0:
         return
-    manifest = {"step": step, "files": {name: f for m in markers for name, f in m["files"].items()}}
-    write_files(final + ".tmp", {MANIFEST: manifest})  # last: a checkpoint with a manifest is complete
+    manifest = {"step": step, "files": {name: f for m in markers.values() for name, f in m["files"].items()}}
+    with heartbeat(os.path.join(tmp, "rank_00000.alive"), every):  # the others wait for the manifest
+        write_files(tmp, {MANIFEST: manifest})  # last: a checkpoint with a manifest is complete
+        for old in checkpoints(args.out_dir)[args.keep - 1:] if args.keep else []:  # --keep N: the newest N
+            os.replace(old, old + ".deleting")  # no longer a checkpoint, before it is taken apart
+            shutil.rmtree(old + ".deleting")
     for r in range(world_size):
         for name in (f"rank_{r:05d}.json", f"rank_{r:05d}.alive"):
-            os.remove(os.path.join(final + ".tmp", name))
-    os.replace(final + ".tmp", final)
+            with suppress(FileNotFoundError):
+                os.remove(os.path.join(tmp, name))
+    os.replace(tmp, final)
     directory = os.open(args.out_dir, os.O_RDONLY)  # the rename itself reaches the disk
     os.fsync(directory)
     os.close(directory)
-    for old in checkpoints(args.out_dir)[args.keep or len(checkpoints(args.out_dir)):]:  # --keep N: the newest N
-        shutil.rmtree(old)
     size = sum(f["bytes"] for f in manifest["files"].values())
     tqdm.write(f"saved {final}: {len(manifest['files'])} files, {size / 2**20:,.2f} MiB, in "
                f"{time.perf_counter() - t0:.2f} s")
@@ -556,7 +576,6 @@ def heartbeat(path, every):
     """Touch `path` every `every` seconds from a thread while the block runs, so that other processes see this one
     live however long its writing takes (a flush to slow storage, say); one that hangs or was stopped falls
     silent."""
-    os.makedirs(os.path.dirname(path), exist_ok=True)
     stop = threading.Event()
 
     def beat():
@@ -574,28 +593,29 @@ def heartbeat(path, every):
         thread.join()
 
 
-def wait_for_markers(directory, final, world_size, timeout):
-    """Every rank's marker in directory, in rank order; or None once `final` is complete (rank 0 has read them
-    all and renamed the directory). Waits while anything in directory changes (files growing, heartbeats); a
-    Mistake once nothing has for `timeout` seconds (a rank that died or hangs)."""
+def wait_for_markers(directory, final, world_size, rank, timeout):
+    """The markers in directory, {rank: marker}, once one reports a problem; else rank 0 waits for all of them,
+    the other ranks until `final` is complete (rank 0 has renamed the directory). Waits while anything in
+    directory changes (files growing, heartbeats); a Mistake once nothing has for `timeout` seconds (a rank that
+    died or hangs)."""
     markers, seen, since = {}, None, time.monotonic()
-    while len(markers) < world_size:
+    while True:
         for r in set(range(world_size)) - set(markers):
             with suppress(FileNotFoundError), open(os.path.join(directory, f"rank_{r:05d}.json")) as f:
                 markers[r] = json.load(f)
-        if os.path.exists(os.path.join(final, MANIFEST)):
-            return None
+        if any(m["problem"] for m in markers.values()) or (len(markers) == world_size if rank == 0 else
+                                                           os.path.exists(os.path.join(final, MANIFEST))):
+            return markers
         with suppress(FileNotFoundError):  # the directory itself goes when rank 0 renames it
             now = sorted((entry.name, entry.stat().st_size, entry.stat().st_mtime_ns)
                          for entry in os.scandir(directory))
             if now != seen:
                 seen, since = now, time.monotonic()
             elif time.monotonic() - since > timeout:
-                missing = sorted(set(range(world_size)) - set(markers))
+                missing = sorted(set(range(world_size)) - set(markers)) or [0]
                 fail(f"checkpoint {directory}: ranks {missing} gave no sign of life for --timeout {timeout:g} s (a "
-                     f"peer process died, or hangs)")
+                     f"peer process died, or hangs)", alike=False)
         time.sleep(0.05)
-    return [markers[r] for r in range(world_size)]
 
 
 def verify(path, rank, world_size):
@@ -623,6 +643,12 @@ def find_checkpoint(args, world_size, control):
     that fails verification is reported in one line and moved aside (step_000020.damaged), and the next older one
     is tried."""
     paths = checkpoints(args.out_dir) if args.out_dir else []
+    incomplete = [name for name in sorted(os.listdir(args.out_dir)) if name.startswith("step_") and
+                  name[5:].isdigit() and not os.path.exists(os.path.join(args.out_dir, name, MANIFEST))] \
+        if args.out_dir else []
+    if incomplete:
+        fail(f"--out-dir {args.out_dir} holds {incomplete[0]} without a {MANIFEST} (from an older train.py, or a copy "
+             f"cut short); move it out of the directory")
     if args.resume and not paths:
         fail(f"--resume: no complete checkpoint in --out-dir {args.out_dir}")
     if not paths:
@@ -643,6 +669,11 @@ def find_checkpoint(args, world_size, control):
         shutil.rmtree(damaged + ".damaged", ignore_errors=True)
         os.replace(damaged, damaged + ".damaged")
     trainer = torch.load(os.path.join(path, "trainer.pt"), weights_only=True)
+    if not args.resume and trainer["run"] != os.environ.get("TORCHELASTIC_RUN_ID"):  # torchrun's restart of another
+        fail(f"--out-dir {args.out_dir} already holds checkpoints of another run; add --resume to continue from "
+             f"{os.path.basename(path)}, or choose another directory")
+    if trainer["step"] > args.steps:
+        fail(f"checkpoint {path} is past --steps {args.steps}: it has done {trainer['step']} steps")
     if {**model_flags(args), **trainer["model"]} != model_flags(args):  # a field the checkpoint lacks: as resolved
         fail(f"checkpoint {path} holds a model with {trainer['model']}; the flags ask for {model_flags(args)}")
     if trainer["schedule"] != schedule(args) and not args.new_schedule:
@@ -662,12 +693,10 @@ def restore(checkpoint, model, zero, optimizer, rank):
     """Load a checkpoint written on any layout into this run. Returns the number of steps already done."""
     path, trainer, seconds = checkpoint
     t0 = time.perf_counter()
-    with open(os.path.join(path, MANIFEST)) as f:
-        shards = [torch.load(os.path.join(path, name), mmap=True, weights_only=True)
-                  for name in json.load(f)["files"] if name.startswith("shard_")]
-    keys = {key for pieces in shards for _, _, values in pieces.values() for key in values} - {"param"}
+    stored = shards(path)
+    keys = {key for pieces in stored for _, _, values in pieces.values() for key in values} - {"param"}
     prepare_optimizer(optimizer, keys, trainer["optimizer"])
-    load_pieces(held(model, optimizer, zero), shards)  # each rank copies what it holds out of every shard
+    load_pieces(held(model, optimizer, zero), stored)  # each rank copies what it holds out of every shard
     torch.set_rng_state(trainer["rng"])
     if rank == 0:
         print(f"resuming from {path} after step {trainer['step']} (written by {trainer['world_size']} ranks with "
@@ -702,15 +731,19 @@ def open_metrics(args, start_step):
 
 
 class Mistake(Exception):
-    """A mistake the user can fix, or a run that cannot go on: one line, non-zero exit, never a hang. main() and
-    agreed() turn it into that exit, printed once: where every rank finds the same mistake (the flags, a
-    non-finite loss), rank 0 says it and the others leave at once with status 0 (torchrun stops every process as
-    soon as one fails, and rank 0 might not have written its line yet; the run fails all the same, with rank 0);
-    where one rank alone may find it (its files, its memory), the ranks agree first (agreed)."""
+    """A mistake the user can fix, or a run that cannot go on: one line, non-zero exit, never a hang, printed once.
+    Where every rank finds the same one (alike: the flags, a non-finite loss, a checkpoint all ranks read), rank 0
+    says it and the others leave at once with status 0 (torchrun stops every process as soon as one fails, and
+    rank 0 might not have written its line yet; the run fails all the same, with rank 0). Where one rank alone may
+    find it (its files, its memory), the ranks agree first (agreed), or that rank says it, naming itself."""
+
+    def __init__(self, message, alike=True):
+        super().__init__(message)
+        self.alike = alike
 
 
-def fail(message):
-    raise Mistake(message)
+def fail(message, alike=True):
+    raise Mistake(message, alike)
 
 
 def check_args(args, world_size):
@@ -904,8 +937,10 @@ def memory_verdict(args, world_size, memory, cuda):
     if not ring_refusal(args):
         sp = world_size
         rings = min(r for r in range(1, sp + 1) if sp % r == 0 and sp // r <= args.n_head)
-    else:
-        sp, rings = max(p for p in range(1, min(world_size, args.n_head) + 1) if world_size % p == 0), 1
+    else:  # Gated DeltaNet layers split their value heads
+        heads = min([args.n_head] * ("a" in args.layer_pattern) + [model_config(args).gdn_v_heads] *
+                    ("d" in args.layer_pattern))
+        sp, rings = max(p for p in range(1, min(world_size, heads) + 1) if world_size % p == 0), 1
     options = {"--recompute": {"recompute": True}, "--tiles 16": {"tiles": max(16, args.tiles)},
                f"--sp {sp}" + f" --ring {rings}" * (rings > 1): {"sp": sp, "ring": rings}}
     others = [f"{flags}: {peak(**change) / 2**30:,.1f} GiB" for flags, change in options.items()
