@@ -148,7 +148,7 @@ def main(argv=None):
         if args.out_dir:  # then rank 0 alone holds the out-dir for this run
             lock = agreed(control, lambda: lock_out_dir(args.out_dir) if rank == 0 else None)
         checkpoint = find_checkpoint(args, world_size, control)
-        return train(args, world_size, mesh, device, documents, checkpoint)
+        return train(args, world_size, mesh, device, documents, checkpoint, control)
     except Mistake as e:
         raise SystemExit((f"train.py: error: {e}" if rank == 0 else 0) if e.alike else
                          f"train.py: error: rank {rank}: {e}") from None
@@ -219,7 +219,7 @@ def setup(args, world_size):
     return device, mesh, control
 
 
-def train(args, world_size, mesh, device, documents, checkpoint):
+def train(args, world_size, mesh, device, documents, checkpoint, control):
     dp, sp_groups = world_size // args.sp, (mesh.get_group("ulysses"), mesh.get_group("ring"))
     rank, dp_rank = dist.get_rank(), mesh.get_local_rank("dp")
 
@@ -239,6 +239,7 @@ def train(args, world_size, mesh, device, documents, checkpoint):
     optimizer = torch.optim.AdamW(zero.parameters() if zero else model.parameters(), lr=args.lr, betas=(0.9, 0.95),
                                   weight_decay=args.weight_decay)
     start_step = restore(checkpoint, model, zero, optimizer, rank) if checkpoint else 0
+    gathered(control, None)  # every rank has loaded (however long its storage took) before the first collective
     if rank == 0:
         usp = f" (ulysses {args.sp // args.ring} x ring {args.ring})" if args.ring > 1 else ""
         print(f"world {world_size} = dp {dp} x sp {args.sp}{usp} | zero {args.zero} | {n_params / 1e6:.2f}M parameters "
@@ -382,10 +383,10 @@ def model_flags(args):
 MANIFEST = "manifest.json"
 
 
-def checkpoints(out_dir):
-    """The complete checkpoints in out_dir (those with a manifest), newest first."""
+def checkpoints(out_dir, complete=True):
+    """The checkpoints in out_dir, newest first: those with a manifest (complete), or those without one."""
     steps = [int(name[5:]) for name in os.listdir(out_dir) if name.startswith("step_") and name[5:].isdigit()
-             and os.path.exists(os.path.join(out_dir, name, MANIFEST))]
+             and os.path.exists(os.path.join(out_dir, name, MANIFEST)) == complete]
     return [os.path.join(out_dir, f"step_{step:06d}") for step in sorted(steps, reverse=True)]
 
 
@@ -638,17 +639,14 @@ def verify(path, rank, world_size):
 
 
 def find_checkpoint(args, world_size, control):
-    """The checkpoint this run continues from: (its path, its trainer state), or None to start afresh. --resume
-    asks for one; a group that torchrun restarted (--max-restarts) takes the newest one by itself. A checkpoint
-    that fails verification is reported in one line and moved aside (step_000020.damaged), and the next older one
-    is tried."""
+    """The checkpoint this run continues from: (its path, its trainer state, the seconds verifying took), or None
+    to start afresh. --resume asks for one; a group that torchrun restarted (--max-restarts) takes the newest one
+    of its own run by itself. A checkpoint that fails verification is reported in one line and moved aside
+    (step_000020.damaged), and the next older one is tried."""
     paths = checkpoints(args.out_dir) if args.out_dir else []
-    incomplete = [name for name in sorted(os.listdir(args.out_dir)) if name.startswith("step_") and
-                  name[5:].isdigit() and not os.path.exists(os.path.join(args.out_dir, name, MANIFEST))] \
-        if args.out_dir else []
-    if incomplete:
-        fail(f"--out-dir {args.out_dir} holds {incomplete[0]} without a {MANIFEST} (from an older train.py, or a copy "
-             f"cut short); move it out of the directory")
+    for incomplete in checkpoints(args.out_dir, complete=False) if args.out_dir else []:
+        fail(f"--out-dir {args.out_dir} holds {os.path.basename(incomplete)} without a {MANIFEST} (from an older "
+             f"train.py, or a copy cut short); move it out of the directory")
     if args.resume and not paths:
         fail(f"--resume: no complete checkpoint in --out-dir {args.out_dir}")
     if not paths:
