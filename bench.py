@@ -21,6 +21,7 @@ import io
 import os
 import socket
 import statistics
+import threading
 import time
 from functools import partial
 
@@ -30,6 +31,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed.device_mesh import init_device_mesh
+from tqdm import tqdm
 
 import gpt
 import ring
@@ -59,6 +61,25 @@ def run_ranks(P, fn, *args):
         port = s.getsockname()[1]
     mp.start_processes(_rank_main, args=(P, port, fn, args, results), nprocs=P, start_method="spawn")
     return results.get()
+
+
+@contextlib.contextmanager
+def measuring(what, every=5.0):
+    """A line on stderr that says what is being measured and for how long, redrawn every `every` seconds, so that
+    a measurement of minutes never sits silent; it is cleared when the measurement ends, before its row."""
+    line = tqdm(desc=what, bar_format="{desc}: {elapsed}", leave=False, dynamic_ncols=True)
+    done = threading.Event()
+
+    def redraw():
+        while not done.wait(every):
+            line.refresh()  # the elapsed time moves on
+
+    threading.Thread(target=redraw, daemon=True).start()
+    try:
+        yield
+    finally:
+        done.set()
+        line.close()
 
 
 def _tracked(tracker, kind):
@@ -230,7 +251,8 @@ def attention(args):
           f"{'bytes sent/rank':>16} {'formula':>13}", flush=True)
     measured = {}
     for P in args.sp:
-        times, sent, peaks = measured[P, args.seq_len] = run_ranks(P, _attention_rank, args.seq_len, args)
+        with measuring(f"P={P} S={args.seq_len}: {args.reps + 1} repetitions of every variant on {P} processes"):
+            times, sent, peaks = measured[P, args.seq_len] = run_ranks(P, _attention_rank, args.seq_len, args)
         floor = times["(a) kernel alone"][1:]  # the first repetition is a warm-up
         overheads = {name: [b - a for a, b in zip(floor, t[1:])] for name, t in times.items()}
         overhead = {name: statistics.median(o) for name, o in overheads.items()}
@@ -249,7 +271,10 @@ def attention(args):
           f"{'(d) ms':>8}", flush=True)
     for P in (1, 2, 4):
         S = args.weak_seq_len * P
-        times, sent, _ = measured.get((P, S)) or run_ranks(P, _attention_rank, S, args)
+        if (P, S) not in measured:
+            with measuring(f"P={P} S={S}: {args.reps + 1} repetitions of every variant on {P} processes"):
+                measured[P, S] = run_ranks(P, _attention_rank, S, args)
+        times, sent, _ = measured[P, S]
         b, d = ("(b) ulysses_attention", "(d) all-gather k, v") if P > 1 else ("(a) kernel alone",) * 2
         columns = [f"{sent[name]:,} ({_attention_bytes(name, P, S, args):,})" for name in (b, d)]
         ms = [statistics.median(times[name][1:]) * 1e3 for name in ("(a) kernel alone", b, d)]
@@ -324,8 +349,9 @@ def deltanet(args):
     print(f"gated delta rule, B={B} S={S} H={H} D={D}, float32, {torch.get_num_threads()} threads; "
           f"median of {args.reps}", flush=True)
     for name, run in (("forward", forward), ("forward + backward", forward_backward)):
-        recurrence, chunked = (median_seconds(partial(run, kernel), args.reps)
-                               for kernel in (gpt.gated_delta_rule, gpt.chunk_gated_delta_rule))
+        with measuring(f"{name}: {args.reps} repetitions of each kernel"):
+            recurrence, chunked = (median_seconds(partial(run, kernel), args.reps)
+                                   for kernel in (gpt.gated_delta_rule, gpt.chunk_gated_delta_rule))
         print(f"{name:18} recurrence {recurrence * 1e3:8.1f} ms   chunked {chunked * 1e3:7.1f} ms   "
               f"{recurrence / chunked:5.1f}x faster", flush=True)
 
@@ -357,7 +383,8 @@ def memory(args):
         cells = []
         for P in args.sp:
             argv = ["--seq-len", str(S), *extra, *args.flags]
-            measured = run_ranks(P, _memory_rank, argv)
+            with measuring(f"{' '.join([f'seq len {S:,}', *extra])}: train.py on {P} processes"):
+                measured = run_ranks(P, _memory_rank, argv)
             flags = train.parse_args(argv + ["--batch-size", "1"])
             train.check_args(flags, P)
             cells.append(f"{measured / 2**20:.1f} / {train.predicted(flags, P)['peak'] / 2**20:.1f}")
@@ -381,7 +408,8 @@ def compile_(args):
         seconds = {"eager": [], "compiled": []}
         for _ in range(args.runs):  # interleaved, so that a busy moment of the machine hits both alike
             for mode, extra in (("eager", []), ("compiled", ["--compile"])):
-                seconds[mode].append(run_ranks(P, _step_seconds_rank, argv + extra))
+                with measuring(f"P={P} {mode}: train.py, {args.steps} steps on {P} processes"):
+                    seconds[mode].append(run_ranks(P, _step_seconds_rank, argv + extra))
         eager_later = statistics.median(s for run in seconds["eager"] for s in run[1:])
         for mode, runs in seconds.items():
             later = statistics.median(s for run in runs for s in run[1:])
@@ -444,7 +472,9 @@ def ring_(args):
     print(f"{'P':>2} {'layout':20} {'ms':>8} {'all-to-all bytes':>17} {'calls':>5} {'ring bytes':>11} "
           f"{'sends':>5} {'peak MiB':>9}", flush=True)
     for P in args.ranks:
-        for (U, R), (seconds, a2a, calls, sent, sends, peak) in run_ranks(P, _usp_rank, args).items():
+        with measuring(f"P={P}: {args.reps + 1} repetitions of every layout on {P} processes"):
+            layouts = run_ranks(P, _usp_rank, args)
+        for (U, R), (seconds, a2a, calls, sent, sends, peak) in layouts.items():
             name = " x ".join([f"ulysses {U}"] * (U > 1) + [f"ring {R}"] * (R > 1)) or "one rank"
             print(f"{P:2} {name:20} {seconds * 1e3:8.1f} {a2a:17,} {calls:5} {sent:11,} {sends:5} "
                   f"{peak / 2**20:9.1f}", flush=True)

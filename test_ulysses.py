@@ -20,6 +20,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import warnings
 from functools import partial
@@ -43,6 +44,40 @@ import zero3
 from gpt import GPT, GPTConfig
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+class _StillRunning:
+    """Every 10 s of a test, how long it has run, after its name on the terminal: a multi-rank test takes up to
+    half a minute here, and the suite should never sit silent that long. The thread lives inside the test's call,
+    while pytest captures its output, and lifts the capture for the moment it writes."""
+
+    def __init__(self, reporter, capture, every=10):
+        self.reporter, self.capture, self.every = reporter, capture, every
+
+    @pytest.hookimpl(wrapper=True, trylast=True)  # trylast: inside the capture of the call
+    def pytest_runtest_call(self, item):
+        done, start = threading.Event(), time.monotonic()
+
+        def tick():
+            while not done.wait(self.every):
+                with self.capture.global_and_fixture_disabled():
+                    self.reporter.write(f" {time.monotonic() - start:.0f} s", flush=True)
+
+        thread = threading.Thread(target=tick, daemon=True)
+        thread.start()
+        try:
+            return (yield)
+        finally:
+            done.set()
+            thread.join()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _still_running(request):
+    plugins = request.config.pluginmanager
+    reporter, capture = plugins.get_plugin("terminalreporter"), plugins.get_plugin("capturemanager")
+    if reporter and capture:
+        plugins.register(_StillRunning(reporter, capture))
 
 
 def _free_port():
