@@ -122,7 +122,8 @@ def parse_args(argv=None):
     p.add_argument("--new-schedule", action="store_true", help="with --resume: accept --steps, --lr or --warmup "
                    "other than the checkpoint's (the learning rate moves to the new schedule at once)")
     p.add_argument("--timeout", type=float, default=300, help="seconds a collective may wait for a peer")
-    p.add_argument("--metrics", help="write one JSON line per optimizer step to this file")
+    p.add_argument("--metrics", help="write one JSON line per optimizer step to this file (its folder is made if "
+                   "missing)")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--plan", metavar="NxG", help="print the predicted memory per rank on N GPUs of G GiB, and exit")
     return p.parse_args(argv)
@@ -168,8 +169,13 @@ def prepare(args, world_size, rank):
         if os.path.isdir(args.metrics):
             fail(f"--metrics {args.metrics} is a directory; give a file name, e.g. "
                  f"{os.path.join(args.metrics, 'metrics.jsonl')}")
-        if not os.access(os.path.dirname(os.path.abspath(args.metrics)), os.W_OK):
-            fail(f"--metrics: cannot write into {os.path.dirname(os.path.abspath(args.metrics))}")
+        folder = os.path.dirname(os.path.abspath(args.metrics))
+        try:
+            os.makedirs(folder, exist_ok=True)  # as --out-dir is made
+        except OSError as e:
+            fail(f"--metrics {args.metrics}: cannot make its folder {folder} ({e.strerror})")
+        if not os.access(folder, os.W_OK):
+            fail(f"--metrics: cannot write into {folder}")
     try:
         documents = None if args.data is None else data.read_documents(args.data, args.pack, args.seq_len)
     except ValueError as e:
