@@ -21,6 +21,7 @@ import io
 import os
 import socket
 import statistics
+import sys
 import threading
 import time
 from functools import partial
@@ -65,20 +66,27 @@ def run_ranks(P, fn, *args):
 
 @contextlib.contextmanager
 def measuring(what, every=5.0):
-    """A line on stderr that says what is being measured and for how long, redrawn every `every` seconds, so that
-    a measurement of minutes never sits silent; it is cleared when the measurement ends, before its row."""
-    line = tqdm(desc=what, bar_format="{desc}: {elapsed}", leave=False, dynamic_ncols=True)
-    done = threading.Event()
+    """Says on stderr what is being measured and for how long, every `every` seconds, so that a measurement of
+    minutes never sits silent: on a terminal one line, redrawn and cleared before the row is printed; into a file
+    or a pipe, a line each time."""
+    line = tqdm(desc=what, bar_format="{desc}: {elapsed}", leave=False, dynamic_ncols=True,
+                disable=not sys.stderr.isatty())
+    done, start = threading.Event(), time.monotonic()
 
     def redraw():
         while not done.wait(every):
-            line.refresh()  # the elapsed time moves on
+            if line.disable:
+                print(f"{what}: {time.monotonic() - start:.0f} s", file=sys.stderr, flush=True)
+            else:
+                line.refresh()  # the elapsed time moves on
 
-    threading.Thread(target=redraw, daemon=True).start()
+    thread = threading.Thread(target=redraw, daemon=True)
+    thread.start()
     try:
         yield
     finally:
         done.set()
+        thread.join()  # no redraw after the line is cleared
         line.close()
 
 

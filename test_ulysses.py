@@ -47,9 +47,10 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 class _StillRunning:
-    """Every 10 s of a test, how long it has run, after its name on the terminal: a multi-rank test takes up to
-    half a minute here, and the suite should never sit silent that long. The thread lives inside the test's call,
-    while pytest captures its output, and lifts the capture for the moment it writes."""
+    """Every 10 s of a test, how long it has run, on the terminal (after its name with -v): a multi-rank test takes
+    up to half a minute here, and the suite should never sit silent that long. The thread lives inside the test's
+    call, while pytest captures its output, and lifts the capture for the moment it writes, as pytest's own live
+    logging does; what the test prints in that moment reaches the terminal instead."""
 
     def __init__(self, reporter, capture, every=10):
         self.reporter, self.capture, self.every = reporter, capture, every
@@ -74,9 +75,11 @@ class _StillRunning:
 
 @pytest.fixture(scope="session", autouse=True)
 def _still_running(request):
+    """Registers _StillRunning for the session (a test module cannot hold pytest hooks itself), before the first
+    test's call."""
     plugins = request.config.pluginmanager
     reporter, capture = plugins.get_plugin("terminalreporter"), plugins.get_plugin("capturemanager")
-    if reporter and capture:
+    if reporter and capture:  # absent under -p no:terminal or -p no:capture
         plugins.register(_StillRunning(reporter, capture))
 
 
@@ -1484,7 +1487,7 @@ def test_resume_on_any_layout(tmp_path, capsys):
     (4, ["--ring", "2", "--pack"], r"--ring 2 cannot be used with --pack: the ring attends one document a row"),
     (4, ["--n-head", "8", "--n-kv-head", "6"], r"n_head=8 is not a multiple of n_kv_head=6"),
     (1, ["--metrics", "{empty}/metrics.jsonl"],
-     r"--metrics \S+/metrics.jsonl: cannot make its folder \S+empty.txt \(File exists\)"),
+     r"--metrics: cannot make the folder \S+empty.txt \(File exists\)"),
     (4, ["--seq-len", "3"], r"--seq-len 3 is smaller than --sp 4"),
     (1, ["--data", "/no/such/file.txt"], r"--data /no/such/file.txt: no such file"),
     (1, ["--batch-size", "0"], r"--batch-size 0 must be at least 1"),
@@ -1624,7 +1627,7 @@ def test_metrics_lines_cut_short_are_dropped_on_resume(tmp_path, monkeypatch, ca
     """A blank line and a line cut short (a full disk, two runs on one file) in --metrics: a resume drops them,
     says how many, and writes every step's line again."""
     monkeypatch.setenv("WORLD_SIZE", "1")
-    out_dir, metrics = tmp_path / "run", tmp_path / "metrics.jsonl"
+    out_dir, metrics = tmp_path / "run", tmp_path / "logs" / "metrics.jsonl"  # its folder made by the run
     argv = SHORT_RUN + ["--out-dir", str(out_dir), "--metrics", str(metrics)]
     train.main(argv)
     lines = metrics.read_text().splitlines()

@@ -165,30 +165,28 @@ def prepare(args, world_size, rank):
     """What each rank checks on its own machine before the run: the memory, the data, the out-dir. Returns the
     documents of --data (None: the copy task)."""
     check_memory(args, world_size)  # a run that cannot fit is refused before it allocates anything
-    if rank == 0 and args.metrics:  # rank 0 writes it
-        if os.path.isdir(args.metrics):
-            fail(f"--metrics {args.metrics} is a directory; give a file name, e.g. "
-                 f"{os.path.join(args.metrics, 'metrics.jsonl')}")
-        folder = os.path.dirname(os.path.abspath(args.metrics))
-        try:
-            os.makedirs(folder, exist_ok=True)  # as --out-dir is made
-        except OSError as e:
-            fail(f"--metrics {args.metrics}: cannot make its folder {folder} ({e.strerror})")
-        if not os.access(folder, os.W_OK):
-            fail(f"--metrics: cannot write into {folder}")
     try:
         documents = None if args.data is None else data.read_documents(args.data, args.pack, args.seq_len)
     except ValueError as e:
         fail(f"--data {args.data}: {e}")
-    if args.out_dir is None:
-        return documents
-    try:
-        os.makedirs(args.out_dir, exist_ok=True)
-    except OSError as e:
-        fail(f"--out-dir {args.out_dir}: {e.strerror}")
-    if not os.access(args.out_dir, os.W_OK):
-        fail(f"--out-dir: cannot write into {args.out_dir}")
+    if rank == 0 and args.metrics:  # rank 0 writes it
+        if os.path.isdir(args.metrics):
+            fail(f"--metrics {args.metrics} is a directory; give a file name, e.g. "
+                 f"{os.path.join(args.metrics, 'metrics.jsonl')}")
+        make_folder("--metrics", os.path.dirname(os.path.abspath(args.metrics)))
+    if args.out_dir is not None:
+        make_folder("--out-dir", args.out_dir)
     return documents
+
+
+def make_folder(flag, folder):
+    """The folder a flag writes into, made if missing; one line if it cannot be made or written."""
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError as e:
+        fail(f"{flag}: cannot make the folder {folder} ({e.strerror})")
+    if not os.access(folder, os.W_OK):
+        fail(f"{flag}: cannot write into {folder}")
 
 
 def setup(args, world_size):
