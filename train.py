@@ -49,7 +49,6 @@ from functools import partial
 
 import torch
 import torch.distributed as dist
-from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed.device_mesh import init_device_mesh
 from torch.nn.modules.module import register_module_forward_pre_hook
 from tqdm import tqdm
@@ -967,9 +966,9 @@ def check_memory(args, world_size):
         have //= int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     else:
         return
-    fits, verdict = memory_verdict(args, world_size, have, args.device == "cuda")
-    if not fits:
-        fail(f"this run would need {verdict}")
+    cuda = args.device == "cuda"
+    if predicted(args, world_size, cuda)["peak"] > have:  # only then the search for what would fit (a second)
+        fail(f"this run would need {memory_verdict(args, world_size, have, cuda)[1]}")
 
 
 def plan(args):
@@ -1009,6 +1008,7 @@ class PeakMemory:
             yield
             self.peak_bytes = torch.cuda.max_memory_allocated(self.device)
         else:
+            from torch.distributed._tools.mem_tracker import MemTracker  # here: it imports inductor, a second a rank
             tracker = MemTracker()
             tracker.track_external(*self.existing)
             # MemTracker refuses a module that runs twice (gradient accumulation) unless its per-module statistics
