@@ -259,7 +259,7 @@ def attention(args):
           f"{'bytes sent/rank':>16} {'formula':>13}", flush=True)
     measured = {}
     for P in args.sp:
-        with measuring(f"P={P} S={args.seq_len}: {args.reps + 1} repetitions of every variant on {P} processes"):
+        with measuring(f"P={P} S={args.seq_len}: {args.reps + 1} repetitions of every variant"):
             times, sent, peaks = measured[P, args.seq_len] = run_ranks(P, _attention_rank, args.seq_len, args)
         floor = times["(a) kernel alone"][1:]  # the first repetition is a warm-up
         overheads = {name: [b - a for a, b in zip(floor, t[1:])] for name, t in times.items()}
@@ -280,7 +280,7 @@ def attention(args):
     for P in (1, 2, 4):
         S = args.weak_seq_len * P
         if (P, S) not in measured:
-            with measuring(f"P={P} S={S}: {args.reps + 1} repetitions of every variant on {P} processes"):
+            with measuring(f"P={P} S={S}: {args.reps + 1} repetitions of every variant"):
                 measured[P, S] = run_ranks(P, _attention_rank, S, args)
         times, sent, _ = measured[P, S]
         b, d = ("(b) ulysses_attention", "(d) all-gather k, v") if P > 1 else ("(a) kernel alone",) * 2
@@ -391,7 +391,7 @@ def memory(args):
         cells = []
         for P in args.sp:
             argv = ["--seq-len", str(S), *extra, *args.flags]
-            with measuring(f"{' '.join([f'seq len {S:,}', *extra])}: train.py on {P} processes"):
+            with measuring(f"{' '.join([f'seq len {S:,}', *extra])}: train.py on sp {P}"):
                 measured = run_ranks(P, _memory_rank, argv)
             flags = train.parse_args(argv + ["--batch-size", "1"])
             train.check_args(flags, P)
@@ -416,7 +416,7 @@ def compile_(args):
         seconds = {"eager": [], "compiled": []}
         for _ in range(args.runs):  # interleaved, so that a busy moment of the machine hits both alike
             for mode, extra in (("eager", []), ("compiled", ["--compile"])):
-                with measuring(f"P={P} {mode}: train.py, {args.steps} steps on {P} processes"):
+                with measuring(f"P={P} {mode}: train.py, {args.steps} steps"):
                     seconds[mode].append(run_ranks(P, _step_seconds_rank, argv + extra))
         eager_later = statistics.median(s for run in seconds["eager"] for s in run[1:])
         for mode, runs in seconds.items():
@@ -480,7 +480,7 @@ def ring_(args):
     print(f"{'P':>2} {'layout':20} {'ms':>8} {'all-to-all bytes':>17} {'calls':>5} {'ring bytes':>11} "
           f"{'sends':>5} {'peak MiB':>9}", flush=True)
     for P in args.ranks:
-        with measuring(f"P={P}: {args.reps + 1} repetitions of every layout on {P} processes"):
+        with measuring(f"P={P}: {args.reps + 1} repetitions of every layout"):
             layouts = run_ranks(P, _usp_rank, args)
         for (U, R), (seconds, a2a, calls, sent, sends, peak) in layouts.items():
             name = " x ".join([f"ulysses {U}"] * (U > 1) + [f"ring {R}"] * (R > 1)) or "one rank"
