@@ -22,7 +22,6 @@ import os
 import socket
 import statistics
 import sys
-import threading
 import time
 from functools import partial
 
@@ -71,23 +70,19 @@ def measuring(what, every=5.0):
     or a pipe, a line each time."""
     line = tqdm(desc=what, bar_format="{desc}: {elapsed}", leave=False, dynamic_ncols=True,
                 disable=not sys.stderr.isatty())
-    done, start = threading.Event(), time.monotonic()
+    start = time.monotonic()
 
     def redraw():
-        while not done.wait(every):
-            if line.disable:
-                print(f"{what}: {time.monotonic() - start:.0f} s", file=sys.stderr, flush=True)
-            else:
-                line.refresh()  # the elapsed time moves on
+        if line.disable:
+            print(f"{what}: {time.monotonic() - start:.0f} s", file=sys.stderr, flush=True)
+        else:
+            line.refresh()  # the elapsed time moves on
 
-    thread = threading.Thread(target=redraw, daemon=True)
-    thread.start()
     try:
-        yield
+        with train.repeating(redraw, every):
+            yield
     finally:
-        done.set()
-        thread.join()  # no redraw after the line is cleared
-        line.close()
+        line.close()  # after the last redraw
 
 
 def _tracked(tracker, kind):

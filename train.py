@@ -575,20 +575,26 @@ def save_checkpoint(args, step, model, zero, optimizer, world_size, rank):
                f"{time.perf_counter() - t0:.2f} s")
 
 
-@contextmanager
 def heartbeat(path, every):
-    """Touch `path` every `every` seconds from a thread while the block runs, so that other processes see this one
-    live however long its writing takes (a flush to slow storage, say); one that hangs or was stopped falls
-    silent."""
+    """Touch `path` every `every` seconds while the block runs, so that other processes see this one live however
+    long its writing takes (a flush to slow storage, say); one that hangs or was stopped falls silent."""
+    def beat():
+        with suppress(OSError), open(path, "a"):
+            os.utime(path)
+    return repeating(beat, every)
+
+
+@contextmanager
+def repeating(action, every):
+    """Call action() from a thread at the start of the block and every `every` seconds while it runs; the last
+    call has returned when the block ends."""
     stop = threading.Event()
 
-    def beat():
-        while True:
-            with suppress(OSError), open(path, "a"):
-                os.utime(path)
-            if stop.wait(every):
-                return
-    thread = threading.Thread(target=beat, daemon=True)
+    def loop():
+        action()
+        while not stop.wait(every):
+            action()
+    thread = threading.Thread(target=loop, daemon=True)
     thread.start()
     try:
         yield
