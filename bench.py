@@ -68,15 +68,16 @@ def measuring(what, every=5.0):
     """Says on stderr what is being measured and for how long, every `every` seconds, so that a measurement of
     minutes never sits silent: on a terminal one line, redrawn and cleared before the row is printed; into a file
     or a pipe, a line each time."""
-    line = tqdm(desc=what, bar_format="{desc}: {elapsed}", leave=False, dynamic_ncols=True,
-                disable=not sys.stderr.isatty())
+    terminal = sys.stderr.isatty()
+    line = tqdm(desc=what, bar_format="{desc}: {elapsed_s:.0f} s", leave=False, dynamic_ncols=True,
+                disable=not terminal)
     start = time.monotonic()
 
     def redraw():
-        if line.disable:
-            print(f"{what}: {time.monotonic() - start:.0f} s", file=sys.stderr, flush=True)
-        else:
+        if terminal:
             line.refresh()  # the elapsed time moves on
+        else:
+            print(f"{what}: {time.monotonic() - start:.0f} s", file=sys.stderr, flush=True)
 
     try:
         with train.repeating(redraw, every):

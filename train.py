@@ -197,8 +197,9 @@ def setup(args, world_size):
     if args.device == "cuda":
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
-    else:  # the processes of one machine share its cores
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
+    else:  # the processes of one machine share its cores, unless OMP_NUM_THREADS says how many threads each takes
+        if "OMP_NUM_THREADS" not in os.environ:
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
         device = torch.device("cpu")
     if not dist.is_initialized():
         backend, timeout = ("nccl" if device.type == "cuda" else "gloo"), datetime.timedelta(seconds=args.timeout)
@@ -972,9 +973,8 @@ def check_memory(args, world_size):
         have //= int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     else:
         return
-    cuda = args.device == "cuda"
-    if predicted(args, world_size, cuda)["peak"] > have:  # only then the search for what would fit (a second)
-        fail(f"this run would need {memory_verdict(args, world_size, have, cuda)[1]}")
+    if predicted(args, world_size)["peak"] > have:  # only then what would fit: that search takes about a second
+        fail(f"this run would need {memory_verdict(args, world_size, have, args.device == 'cuda')[1]}")
 
 
 def plan(args):
@@ -1014,7 +1014,7 @@ class PeakMemory:
             yield
             self.peak_bytes = torch.cuda.max_memory_allocated(self.device)
         else:
-            from torch.distributed._tools.mem_tracker import MemTracker  # here: it imports inductor, a second a rank
+            from torch.distributed._tools.mem_tracker import MemTracker  # here, not at start: it brings inductor
             tracker = MemTracker()
             tracker.track_external(*self.existing)
             # MemTracker refuses a module that runs twice (gradient accumulation) unless its per-module statistics
