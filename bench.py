@@ -17,11 +17,13 @@ options of each.
 
 import argparse
 import contextlib
-import io
+import json
 import os
 import socket
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from functools import partial
 
@@ -34,11 +36,14 @@ from torch.distributed.device_mesh import init_device_mesh
 from tqdm import tqdm
 
 import gpt
+import launch
+import memory
 import ring
-import train
 import ulysses
 from tiled import tiled_lm_loss, tiled_mlp
 from zero3 import all_gather, reduce_scatter
+
+HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def _rank_main(rank, P, port, fn, args, results):
@@ -80,7 +85,7 @@ def measuring(what, every=5.0):
             print(f"{what}: {time.monotonic() - start:.0f} s", file=sys.stderr, flush=True)
 
     try:
-        with train.repeating(redraw, every):
+        with launch.repeating(redraw, every):
             yield
     finally:
         line.close()  # after the last redraw
@@ -361,24 +366,25 @@ def deltanet(args):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# python bench.py memory: train.py's prediction against MemTracker's measurement, the busiest rank
+# python bench.py memory: train.py's prediction against its measured peak, the busiest rank
 
 
-def _train_quietly(argv):
-    """train.main(argv) without its own report; its metrics, one dict per step."""
-    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-        return train.main(argv)
+def train_run(P, argv):
+    """train.py on P processes (torchrun on this machine), its output kept back; its --metrics records, one dict
+    a step (the last with the measured step's peak_bytes, the largest over the ranks)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        metrics = os.path.join(tmp, "metrics.jsonl")
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={P}",
+                   os.path.join(HERE, "train.py"), *argv, "--metrics", metrics]
+        done = subprocess.run(command, capture_output=True, text=True)
+        if done.returncode:
+            raise SystemExit(f"bench.py: train.py {' '.join(argv)} failed on {P} ranks:\n{done.stderr[-2000:]}")
+        with open(metrics) as f:
+            return [json.loads(line) for line in f]
 
 
-def _memory_rank(rank, P, argv):
-    history = _train_quietly(argv + ["--steps", "2", "--batch-size", "1"])
-    peak = torch.tensor(float(history[-1]["peak_bytes"]))
-    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-    return peak.item()
-
-
-def memory(args):
-    print(f"peak tensor memory per rank, MiB, measured (MemTracker, the last of 2 steps, busiest rank) / predicted; "
+def memory_(args):
+    print(f"peak tensor memory per rank, MiB, measured (the last of 2 steps, busiest rank) / predicted; "
           f"train.py --batch-size 1 --steps 2 {' '.join(args.flags)}")
     rows = [(S, extra) for S in args.seq_lens for extra in ([], ["--tiles", "4"], ["--recompute"],
                                                              ["--tiles", "4", "--recompute"])]
@@ -388,19 +394,23 @@ def memory(args):
         for P in args.sp:
             argv = ["--seq-len", str(S), *extra, *args.flags]
             with measuring(f"{' '.join([f'seq len {S:,}', *extra])}: train.py on sp {P}"):
-                measured = run_ranks(P, _memory_rank, argv)
-            flags = train.parse_args(argv + ["--batch-size", "1"])
-            train.check_args(flags, P)
-            cells.append(f"{measured / 2**20:.1f} / {train.predicted(flags, P)['peak'] / 2**20:.1f}")
+                measured = train_run(P, argv + ["--steps", "2", "--batch-size", "1"])[-1]["peak_bytes"]
+            flags = launch.parse_args(argv + ["--batch-size", "1"])
+            launch.check_args(flags, P)
+            cells.append(f"{measured / 2**20:.1f} / {memory.predicted(flags, P)['peak'] / 2**20:.1f}")
         print(f"{S:>8,} {' '.join(extra):<24}" + "".join(f"{cell:>16}" for cell in cells), flush=True)
+    print(f"\nwhat measuring costs: train.py --n-embd 32 --steps 6 --n-layer L, one process; seconds of the measured "
+          "(last) step against the median of steps 2 to 5")
+    print(f"{'layers':>6} {'ordinary step s':>16} {'measured step s':>16} {'ratio':>6}", flush=True)
+    for layers in args.depths:
+        with measuring(f"{layers} layers: train.py, 6 steps"):
+            seconds = [r["seconds"] for r in train_run(1, ["--n-embd", "32", "--steps", "6", "--n-layer", str(layers)])]
+        ordinary = statistics.median(seconds[1:-1])
+        print(f"{layers:>6} {ordinary:16.3f} {seconds[-1]:16.3f} {seconds[-1] / ordinary:5.1f}x", flush=True)
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # python bench.py compile: train.py eager against --compile, the first step (which compiles) and the rest
-
-
-def _step_seconds_rank(rank, P, argv):
-    return [record["seconds"] for record in _train_quietly(argv)]
 
 
 def compile_(args):
@@ -413,7 +423,7 @@ def compile_(args):
         for _ in range(args.runs):  # interleaved, so that a busy moment of the machine hits both alike
             for mode, extra in (("eager", []), ("compiled", ["--compile"])):
                 with measuring(f"P={P} {mode}: train.py, {args.steps} steps"):
-                    seconds[mode].append(run_ranks(P, _step_seconds_rank, argv + extra))
+                    seconds[mode].append([record["seconds"] for record in train_run(P, argv + extra)])
         eager_later = statistics.median(s for run in seconds["eager"] for s in run[1:])
         for mode, runs in seconds.items():
             later = statistics.median(s for run in runs for s in run[1:])
@@ -527,6 +537,8 @@ def main(argv=None):
     p.add_argument("--sp", type=int, nargs="+", default=[1, 2, 4], help="SP sizes, one column each")
     p.add_argument("--flags", nargs=argparse.REMAINDER, default=[], help="more train.py flags, last on the line, "
                    "e.g. --flags --layer-pattern ddda")
+    p.add_argument("--depths", type=int, nargs="*", default=[2, 50, 200], help="layer counts of a tiny model whose "
+                   "measured step is timed against an ordinary one (none: skip)")
     p = commands.add_parser("compile", help="train.py eager against --compile: compile time and step time",
                             formatter_class=_HelpFormatter, allow_abbrev=False)
     p.add_argument("--sp", type=int, nargs="+", default=[2, 4], help="ranks (all sequence-parallel), one row pair each")
@@ -552,7 +564,7 @@ def main(argv=None):
             if P < 2 or args.heads % P or args.kv_heads % P:
                 parser.error(f"--sp {P}: each SP size must be at least 2 and divide --heads {args.heads} and "
                              f"--kv-heads {args.kv_heads} (the weak-scaling rows use 2 and 4 as well)")
-    measure = {"attention": attention, "tiled": tiled, "deltanet": deltanet, "memory": memory, "compile": compile_,
+    measure = {"attention": attention, "tiled": tiled, "deltanet": deltanet, "memory": memory_, "compile": compile_,
                "ring": ring_}
     measure[args.command](args)
 

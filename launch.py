@@ -1,0 +1,385 @@
+"""
+A run on many processes: how it starts, and how it ends when something is wrong.
+
+A training run is N copies of one program (torchrun starts one a GPU, on one machine or several). They start
+together, and they must end together: a copy that stops while the others wait in a collective leaves them
+hanging, and a copy that exits 0 from a failed run tells its node's launcher that the run succeeded. So:
+
+  1. every rank checks the flags on its own, before any process waits on another (`check_args`): they all find
+     the same mistake, rank 0 prints it, and every rank exits 1;
+  2. then the process group, and the dp x ring x ulysses mesh on it (`setup`), plus a gloo "control" group
+     whose waits have no deadline, for agreeing on problems;
+  3. what one rank may find alone (its data file, its memory, its disk) is agreed in one small all-gather
+     (`agreed`): if any rank found a problem, every rank exits 1. The rank that found it prints its line, naming
+     itself; rank 0 prints it too when it runs on another node, so each node's log says why its run failed;
+  4. a collective that fails (a peer died, or waited past --timeout) ends its rank with one line naming the
+     collective (`collective_failure`), not a traceback.
+
+A mistake is one line, `train.py: error: ...`, never a traceback and never a hang. Each node's torchrun judges
+the run by its own workers' exit statuses alone, so every rank of a failed run exits non-zero.
+
+The file also holds what turns the flags into a model config (`model_config`), and the progress line that a long
+step writes (`StepProgress`), so that no run sits silent.
+"""
+
+import argparse
+import datetime
+import math
+import os
+import threading
+import time
+import traceback
+from contextlib import contextmanager
+from functools import partial
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+import ulysses
+from gpt import GPTConfig
+
+WEEK = 7 * 24 * 3600
+MODEL_FIELDS = ("n_layer", "n_head", "n_kv_head", "n_embd", "window", "layer_pattern", "gdn_k_heads", "gdn_v_heads",
+                "gdn_k_dim", "gdn_v_dim")  # what shapes the model
+
+
+class Mistake(Exception):
+    """A mistake the user can fix, or a run that cannot go on. alike: every rank finds the same one (the flags, a
+    non-finite loss, a checkpoint all ranks read), so rank 0 alone prints it; else the rank that found it does."""
+
+    def __init__(self, message, alike=True):
+        super().__init__(message)
+        self.alike = alike
+
+
+def fail(message, alike=True):
+    raise Mistake(message, alike)
+
+
+@contextmanager
+def one_line_errors():
+    """Turn a Mistake into its line and exit status 1, on every rank. A rank that prints nothing waits a moment
+    before it exits, so that one torchrun, which stops every worker as soon as one fails, lets the line out."""
+    rank = int(os.environ.get("RANK", 0))
+    try:
+        yield
+    except Mistake as e:
+        if e.alike and rank != 0:
+            time.sleep(2)
+            raise SystemExit(1) from None
+        raise SystemExit(f"train.py: error: {'' if e.alike else f'rank {rank}: '}{e}") from None
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# 1. the flags, checked on every rank alone (train.py's command line)
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """--help shows each flag's default; a default of None (the help says what stands in) or a switch's False
+    is left out."""
+
+    def _get_help_string(self, action):
+        return action.help if action.default is None or action.default is False else super()._get_help_string(action)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description="Ulysses sequence-parallel GPT training", allow_abbrev=False,
+                                formatter_class=HelpFormatter)
+    p.add_argument("--sp", type=int, help="sequence-parallel size (default: every rank); dp = world size / sp")
+    p.add_argument("--ring", type=int, default=1, help="ring degree R: each SP group of --sp ranks is a ring of R "
+                   "Ulysses groups of sp/R ranks (Ulysses x Ring, ring.py); 1: Ulysses alone")
+    p.add_argument("--seq-len", type=int, default=128, help="tokens per sequence, before padding to a multiple of sp")
+    p.add_argument("--batch-size", type=int, default=8, help="sequences per DP rank per micro-step")
+    p.add_argument("--grad-accum", type=int, default=1, help="micro-steps per optimizer step")
+    p.add_argument("--steps", type=int, default=600, help="optimizer steps")
+    p.add_argument("--lr", type=float, help="peak learning rate (default 1e-3; 5e-4 with Gated DeltaNet layers)")
+    p.add_argument("--warmup", type=int, help="warmup steps (default: steps/10)")
+    p.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay, on every parameter")
+    p.add_argument("--grad-clip", type=float, default=1.0, help="max global gradient norm (0: off)")
+    p.add_argument("--seed", type=int, default=0, help="fixes the initial model and the samples (packed text "
+                   "is read in order)")
+    p.add_argument("--n-layer", type=int, help="layers (default: 2, or the length of --layer-pattern)")
+    p.add_argument("--n-head", type=int, default=4, help="query heads of softmax attention")
+    p.add_argument("--n-kv-head", type=int, help="key/value heads (default: n_head)")
+    p.add_argument("--n-embd", type=int, default=128, help="hidden size")
+    p.add_argument("--window", type=int, default=0, help="sliding-window attention over this many tokens (0: full)")
+    p.add_argument("--layer-pattern", default="a", help="each layer's kind, repeated over the layers: a = softmax "
+                   "attention, d = Gated DeltaNet (linear attention); e.g. ddda")
+    for part, what in (("k-heads", "key heads (q, k)"), ("v-heads", "value heads (v, the state; a multiple of the key "
+                       "heads)"), ("k-dim", "dims of a key head"), ("v-dim", "dims of a value head")):
+        p.add_argument(f"--gdn-{part}", type=int, default=0, help=f"Gated DeltaNet layers: {what} (0: as for "
+                       f"softmax attention, --n-head heads of --n-embd / --n-head)")
+    p.add_argument("--data", help="a text file to train on, as bytes (default: the copy task)")
+    p.add_argument("--pack", action="store_true", help="several documents in each sequence (text: its paragraphs; "
+                   "copy task: documents of random lengths); attention stays inside each document")
+    p.add_argument("--zero", choices=["0", "3", "fsdp2"], help="3: zero3.py shards params, grads and AdamW state "
+                   "over all ranks (the default with more than one); 0: no sharding; fsdp2: PyTorch's fully_shard")
+    p.add_argument("--tiles", type=int, default=1, help="run the MLP and the loss over this many sequence tiles")
+    p.add_argument("--recompute", action="store_true", help="keep only block inputs for backward; recompute there")
+    p.add_argument("--offload", action="store_true", help="with --recompute, on CUDA: block inputs in CPU memory")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], help="what matmuls, attention and the all-to-alls "
+                   "compute in (default: bfloat16 on CUDA and for --plan, else float32); parameters, AdamW state, "
+                   "gradient sums and checkpoints stay float32")
+    p.add_argument("--compile", action="store_true", help="compile each block with torch.compile (inductor), the "
+                   "all-to-alls traced through; the first step of each new shape compiles")
+    p.add_argument("--out-dir", help="write checkpoints here (at the end, and every --save-every steps)")
+    p.add_argument("--save-every", type=int, default=0, help="also write a checkpoint every N steps (0: at the end "
+                   "only)")
+    p.add_argument("--keep", type=int, default=0, help="keep only the newest N checkpoints in --out-dir (0: all)")
+    p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --out-dir that "
+                   "passes verification")
+    p.add_argument("--new-schedule", action="store_true", help="with --resume: accept --steps, --lr or --warmup "
+                   "other than the checkpoint's (the learning rate moves to the new schedule at once)")
+    p.add_argument("--timeout", type=float, default=300, help="seconds a collective may wait for a peer")
+    p.add_argument("--metrics", help="write one JSON line per optimizer step to this file (its folder is made if "
+                   "missing)")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--plan", metavar="NxG", help="print the predicted memory per rank on N GPUs of G GiB, and exit")
+    return p.parse_args(argv)
+
+
+def check_args(args, world_size):
+    """Fill in the defaults that depend on the world size, and refuse every flag value a run cannot use."""
+    args.sp = world_size if args.sp is None else args.sp
+    args.n_kv_head = args.n_head if args.n_kv_head is None else args.n_kv_head
+    args.zero = ("3" if world_size > 1 else "0") if args.zero is None else args.zero
+    args.dtype = ("bfloat16" if args.device == "cuda" or args.plan else "float32") if args.dtype is None else args.dtype
+    args.n_layer = max(2, len(args.layer_pattern)) if args.n_layer is None else args.n_layer
+    args.lr = (5e-4 if "d" in args.layer_pattern else 1e-3) if args.lr is None else args.lr
+    args.warmup = max(1, args.steps // 10) if args.warmup is None else args.warmup
+    zero_means_default = ("window", "warmup", "save_every", "keep", "gdn_k_heads", "gdn_v_heads", "gdn_k_dim",
+                          "gdn_v_dim")
+    for name in ("seq_len", "batch_size", "grad_accum", "steps", "n_layer", "n_head", "n_kv_head", "n_embd", "tiles",
+                 *zero_means_default):
+        least = 0 if name in zero_means_default else 1  # window 0: full; save_every 0: at the end; keep 0: all
+        if getattr(args, name) < least:
+            fail(f"--{name.replace('_', '-')} {getattr(args, name)} must be at least {least}")
+    for name, zero_allowed in (("lr", False), ("weight_decay", True), ("grad_clip", True), ("timeout", False)):
+        value = getattr(args, name)
+        if not (math.isfinite(value) and (value >= 0 if zero_allowed else value > 0)):
+            fail(f"--{name.replace('_', '-')} {value:g} must be a finite number "
+                 f"{'of 0 or more' if zero_allowed else 'above 0'}")
+    if args.timeout > WEEK:  # a collective's deadline is a timedelta, which ends at 1e9 days; nobody waits a week
+        fail(f"--timeout {args.timeout:g} must be at most {WEEK} seconds (a week)")
+    if not 0 <= args.seed < 2**32:
+        fail(f"--seed {args.seed} must be in [0, 2**32)")
+    if args.sp < 1 or world_size % args.sp:
+        fail(f"--sp {args.sp} does not divide the world size {world_size}; choose --sp in {divisors(world_size)}")
+    if args.seq_len < args.sp:
+        fail(f"--seq-len {args.seq_len} is smaller than --sp {args.sp}: every rank needs at least one token")
+    if args.ring < 1 or args.sp % args.ring:
+        fail(f"--ring {args.ring} does not divide --sp {args.sp}; choose --ring in {divisors(args.sp)}")
+    if args.ring > 1 and ring_refusal(args):
+        fail(f"--ring {args.ring} cannot be used with {ring_refusal(args)}; use --ring 1")
+    if "a" in args.layer_pattern and args.sp // args.ring > args.n_head:  # a Ulysses rank would hold no head
+        sps = [p for p in range(1, min(world_size, args.n_head) + 1) if world_size % p == 0]
+        rings = [r for r in range(2, args.sp + 1) if args.sp % r == 0 and args.sp // r <= args.n_head]
+        ring_too = "" if ring_refusal(args) else f", or --ring in {{{', '.join(map(str, rings))}}}"
+        fail(f"--sp {args.sp} with --ring {args.ring} puts {args.sp // args.ring} ranks in each Ulysses group, more "
+             f"than --n-head {args.n_head}: a rank would hold no head; choose --sp in {{{', '.join(map(str, sps))}}}"
+             f"{ring_too}")
+    try:
+        cfg = model_config(args)
+        if "a" in args.layer_pattern:
+            ulysses.head_layout(args.n_head, args.n_kv_head, args.sp // args.ring)
+    except ValueError as e:
+        fail(e)
+    if "d" in args.layer_pattern and args.sp > cfg.gdn_v_heads:
+        fail(f"--sp {args.sp} is larger than the {cfg.gdn_v_heads} value heads of a Gated DeltaNet layer: a rank would "
+             f"hold none; choose --sp in {{{', '.join(str(p) for p in range(1, cfg.gdn_v_heads + 1))}}} or more "
+             f"--gdn-v-heads")
+    if args.offload and not args.recompute:
+        fail("--offload keeps the block inputs that --recompute saves in CPU memory; add --recompute")
+    if args.device == "cuda" and not torch.cuda.is_available() and args.plan is None:
+        fail("--device cuda, but torch sees no CUDA device; choose --device cpu")
+    if (args.resume or args.save_every or args.keep) and args.out_dir is None:
+        fail("--resume, --save-every and --keep need --out-dir")
+
+
+def divisors(n):
+    return "{" + ", ".join(str(d) for d in range(1, n + 1) if n % d == 0) + "}"
+
+
+def ring_refusal(args):
+    """The first flag that keeps a ring from running, with the reason; "" when a ring can run."""
+    for flag, used, reason in (("--pack", args.pack, "the ring attends one document a row"),
+                               ("--compile", args.compile, "the ring's sends are not traced"),
+                               ("Gated DeltaNet layers (d in --layer-pattern)", "d" in args.layer_pattern,
+                                "their recurrence needs the tokens in order")):
+        if used:
+            return f"{flag}: {reason}"
+    return ""
+
+
+def model_config(args):
+    return GPTConfig(**{name: getattr(args, name) for name in MODEL_FIELDS}, tiles=args.tiles,
+                     recompute=args.recompute, offload=args.offload)
+
+
+def model_flags(args):
+    """What shapes the model, as GPTConfig resolves it (so --gdn-k-heads 0 and the head count it stands for agree)."""
+    cfg = model_config(args)
+    return {name: getattr(cfg, name) for name in MODEL_FIELDS}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# 2. the process groups and the mesh
+
+
+def setup(args, world_size):
+    """Device, process group (with a timeout, so a dead peer ends the run), the dp x ring x ulysses mesh, and the
+    gloo control group over every rank, whose waits have no --timeout deadline (how long a rank takes to check
+    its files depends on its storage; a dead peer is ended by torchrun)."""
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if args.device == "cuda":
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:  # the processes of one machine share its cores, unless OMP_NUM_THREADS says how many threads each takes
+        if "OMP_NUM_THREADS" not in os.environ:
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
+        device = torch.device("cpu")
+    if not dist.is_initialized():
+        backend, timeout = ("nccl" if device.type == "cuda" else "gloo"), datetime.timedelta(seconds=args.timeout)
+        if "MASTER_ADDR" in os.environ:  # torchrun
+            # The processes meet through a key-value store (torchrun's agent hosts it). After torchrun restarts the
+            # group, the store still holds the addresses of the processes that died; keys prefixed with the restart
+            # count keep the new processes from dialling the old ones.
+            rank, hosted = int(os.environ["RANK"]), os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+            store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
+                                  is_master=rank == 0 and not hosted, timeout=timeout)
+            store = dist.PrefixStore(f"restart_{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}", store)
+            dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout,
+                                    device_id=device if device.type == "cuda" else None)
+        else:  # plain `python train.py`: a group of one
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    mesh = init_device_mesh(device.type, (world_size // args.sp, args.ring, args.sp // args.ring),
+                            mesh_dim_names=("dp", "ring", "ulysses"))
+    # mesh ranks = arange(world).view(dp, ring, ulysses): an SP group is sp consecutive ranks, a Ulysses group
+    # sp/ring consecutive ranks (the fastest links), and a ring the ranks at the same place in each Ulysses group
+    control = dist.new_group(backend="gloo", timeout=datetime.timedelta(days=1))
+    return device, mesh, control
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# 3. what one rank finds alone, agreed by all
+
+
+def gathered(control, value):
+    """Every rank's value, in rank order, on every rank (one small all-gather)."""
+    values = [None] * dist.get_world_size(control)
+    dist.all_gather_object(values, value, group=control)
+    return values
+
+
+def agreed(control, work):
+    """Run work() on every rank and return its result; if it raises a Mistake on any rank, every rank stops."""
+    try:
+        result, problem = work(), None
+    except Mistake as e:
+        result, problem = None, str(e)
+    stop_on(gathered(control, problem), dist.get_rank(control))
+    return result
+
+
+def stop_on(problems, rank):
+    """problems: one line or None per rank, the same list on every rank. If there is one, every rank exits 1.
+    The first rank with one prints it, naming itself unless every rank found the same; rank 0 prints it too when
+    it runs on another node, so that every node's log says why its run failed. (torchrun numbers the ranks node by
+    node, LOCAL_WORLD_SIZE a node.)"""
+    if any(problems):
+        first = next(r for r, p in enumerate(problems) if p)
+        if all(p == problems[first] for p in problems):
+            fail(problems[first])  # alike: rank 0 says it
+        other_node = first // int(os.environ.get("LOCAL_WORLD_SIZE", 1)) > 0
+        if rank == first or (rank == 0 and other_node):
+            raise SystemExit(f"train.py: error: rank {first}: {problems[first]}")
+        time.sleep(2)  # let the line out before torchrun stops every worker
+        raise SystemExit(1)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# 4. a collective that fails
+
+
+def collective_failure(error, rank, step, timeout):
+    """A collective that failed (a peer died, or waited past --timeout) as one line naming it; other errors as
+    they are."""
+    frames = traceback.extract_tb(error.__traceback__)
+    names = [f.name for f in frames if f.filename.endswith("distributed_c10d.py")]
+    message = str(error).lower()
+    if names:
+        collective = names[-1]
+    elif "gloo" in message or "nccl" in message:
+        collective = f"the collective waited on at {os.path.basename(frames[-1].filename)}:{frames[-1].lineno}"
+    else:
+        return error
+    return SystemExit(f"train.py: error: rank {rank}, step {step + 1}: {collective} failed (a peer process died, or "
+                      f"waited longer than --timeout {timeout:g} s): {str(error).splitlines()[0]}")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# no run sits silent
+
+
+@contextmanager
+def repeating(action, every):
+    """Call action() from a thread at the start of the block and every `every` seconds while it runs; the last
+    call has returned when the block ends."""
+    stop = threading.Event()
+
+    def loop():
+        action()
+        while not stop.wait(every):
+            action()
+    thread = threading.Thread(target=loop, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+
+
+class StepProgress:
+    """What a long step is doing, on rank 0's progress bar: once a step has run for `every` seconds, a thread
+    writes there, every `every` seconds, how long it has run and the layer it is in (forward or backward, from
+    hooks on the blocks), so that a step of minutes (a long sequence on a CPU) never sits silent."""
+
+    def __init__(self, model, bar, every=5.0):
+        self.bar, self.every, self.step, self.started, self.where = bar, every, 0, None, "before the first layer"
+        self.stop = threading.Event()
+        if bar.disable:  # not rank 0
+            return
+        self.in_backward = False
+        model.register_forward_pre_hook(lambda *hook_args: setattr(self, "in_backward", False))  # a micro-step
+        for i, block in enumerate(model.blocks):
+            layer = f"layer {i + 1}/{len(model.blocks)}"
+            block.register_forward_pre_hook(partial(self._forward, layer))
+            block.register_forward_hook(partial(self._backward_ahead, layer))
+        threading.Thread(target=self._show, daemon=True).start()
+
+    def _forward(self, layer, *hook_args):
+        self.where = f"{layer} backward, recomputing its forward" if self.in_backward else f"{layer} forward"
+
+    def _backward_ahead(self, layer, module, args, output):
+        if output.requires_grad:  # its gradient arrives when this layer's backward starts
+            output.register_hook(partial(self._backward, layer))
+
+    def _backward(self, layer, grad):
+        self.in_backward, self.where = True, f"{layer} backward"
+
+    def begin(self, step):
+        self.step, self.started, self.where = step, time.monotonic(), "before the first layer"
+
+    def end(self):
+        self.started = None
+
+    def close(self):
+        self.stop.set()
+
+    def _show(self):
+        while not self.stop.wait(self.every):
+            started = self.started
+            if started is not None and time.monotonic() - started >= self.every:
+                self.bar.set_postfix_str(f"step {self.step + 1}: {time.monotonic() - started:.0f} s in, {self.where}")

@@ -1,0 +1,284 @@
+"""
+Memory: what one rank will hold in a training step, predicted before anything is allocated, and what it held,
+measured.
+
+A rank's peak is its model state plus the larger of two things that never coexist: the activations autograd
+keeps until backward (with the backward's own working set on top), and AdamW's temporaries in the optimizer step.
+
+    peak = state + max(activations, adamw)
+    state        ZeRO-3: 16 bytes a parameter / N ranks (float32 param, grad, two AdamW moments), plus two
+                 gathered units in the compute dtype; unsharded: 16 bytes a parameter
+    activations  per local token (S/P of them): what each layer keeps for backward, counted tensor by tensor,
+                 plus the largest backward working set (the head's logits, or one block's)
+    adamw        two float32 temporaries the size of this rank's shard
+
+`predict_memory` builds the model on the meta device (shapes, no memory) and counts. `check_memory` refuses a run
+that would not fit before it starts, with what would; `plan` (--plan NxG) prints the prediction for N GPUs of
+G GiB. `PeakMemory` measures the real peak of one step: torch.cuda.max_memory_allocated on CUDA; on CPU, which
+has no such counter, the tensors made while it runs. `python bench.py memory` sets the two side by side.
+"""
+
+import argparse
+import math
+import os
+import weakref
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+import torch.utils._pytree as pytree
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.weak import WeakIdKeyDictionary
+
+import ring
+import ulysses
+from gpt import GPT
+from launch import check_args, fail, model_config, ring_refusal
+
+
+def local_tokens(args):
+    """This rank's tokens per micro-step: batch_size * S_pad/sp, S padded to a multiple of sp (of 2 sp with a ring,
+    whose zigzag order cuts it into 2 x ring chunks)."""
+    multiple = args.sp * (2 if args.ring > 1 else 1)
+    return args.batch_size * math.ceil(args.seq_len / multiple) * multiple // args.sp
+
+
+
+def predict_memory(cfg, tokens, batch, sp, ring_size, world_size, zero, cuda, bf16):
+    """This rank's peak tensor memory in one training step of GPT(cfg), in bytes, before anything is allocated:
+    {"peak", "state", "activations", "adamw" (the optimizer step's temporaries), "offloaded" (kept in CPU memory
+    by cfg.offload)}, peak = state + the larger of activations and adamw. tokens: this rank's per
+    micro-step (batch * S/sp); ring_size: the ring degree R (1: Ulysses alone over sp ranks); zero: "0", "3" or
+    "fsdp2" over world_size ranks. The model is built on the meta
+    device: shapes, no memory. `python bench.py memory` sets the prediction beside the measured peak.
+
+    What a layer keeps for backward is counted tensor by tensor, in elements per local token, as autograd saves
+    it on CPU in float32 (torch.autograd.graph.saved_tensors_hooks, storages counted once); bf16 takes the same
+    counts at two bytes each, but four for what stays float32 (the residual stream, the norms, Gated DeltaNet's
+    kernel). On CPU that comes out between 2% below and 13% above the measured peak (with a ring, 1% below to 30%
+    above: the ring's query tiles are counted at their largest); no GPU has checked it."""
+    with torch.device("meta"):
+        model = GPT(cfg)
+    n_params = sum(p.numel() for p in model.parameters())
+    unit = max(sum(p.numel() for p in u.parameters()) for u in model.units())  # the largest one ZeRO-3 gathers
+    e, h, V, H, D = (2 if bf16 else 4), cfg.n_embd, cfg.vocab_size, cfg.n_head, cfg.n_embd // cfg.n_head
+    U = sp // ring_size  # Ulysses ranks: the attention kernel sees U * tokens tokens of its heads
+    q = kv = 0  # the softmax kernel's q and (expanded) kv elements per local token, busiest rank; none without "a"
+    if "a" in cfg.layer_pattern:
+        kernel_kv = max(len(ulysses.kernel_kv_heads(H, cfg.n_kv_head, U, r)) for r in range(U))
+        q, kv = (n * U * D for n in (max(map(len, ulysses.head_layout(H, cfg.n_kv_head, U)[0])), kernel_kv))
+    wide = 4 / e  # a float32 number in elements of e bytes: in bf16 the residual stream and the norms stay float32
+    mlp = 9 * h if cfg.tiles == 1 else h  # its input, fc output and gelu output; tiled, its input alone
+    # norm1: input, input * rstd, output; norm2: input, input * rstd; one rstd each (all float32 but the output)
+    norms = wide * (4 * h + 2) + h
+    # softmax attention: the kernel's q, k, v and output, its logsumexp (one a head), and the projection's input,
+    # which without all-to-alls is the kernel's output itself, but keeps the whole qkv output alive (v is a view of
+    # it) beside the rotated q and k; the all-to-alls make new tensors of them all
+    attention = (q + 2 * kv) + q + H + (q + kv if U == 1 else h)
+    # a ring's backward holds, for one query tile at a time, its float32 probabilities, their gradient and a copy
+    # einsum makes of one of them, against a key block; dq in float32 (in bf16 also float32 copies of q, of the
+    # output's gradient and of the output); the key/value block and the one arriving, three float32 dk/dv
+    # accumulators (this step's, the one arriving, the one still being sent), and in bf16 the block's keys and
+    # values in float32
+    tile = min(ring.QUERY_TILE, tokens // batch * U)  # queries: a tile, or the kernel's whole sequence
+    bf16_copies = 1 if e == 2 else 0
+    ring_backward = (12 * tile * q / D + 4 * q * (1 + 3 * bf16_copies) + 2 * kv * (2 * e + 12 + 4 * bf16_copies)
+                     if ring_size > 1 else 0)
+    # Gated DeltaNet (chunks of C = 64 tokens), per local token: kd and vd, the key and value elements (heads x
+    # dim) of the local token; kd_ and vd_, those the kernel's heads hold on this rank (heads x sp x dim, the
+    # busiest rank, key heads that go to several ranks counted on each); kv = vd_ / Dv x Dk, q or k for each
+    # value head. The in_proj output (z is a view of it), o, o * rstd, norm(o), silu(z) and the projection's input
+    # (2kd + 7vd); the conv's padded input, output and silu (3 x (2kd_ + vd_)); the chunked kernel's scaled,
+    # padded and gated q and k, the solve's k half and k * decay (5kv), and its padded v, the solve's v half, u
+    # and U (4vd_), which autograd keeps, and 2kv + 2vd_ more that its backward holds at once at its peak (a
+    # measurement: `python bench.py memory --seq-lens 4096 --flags --layer-pattern ddda` is 2% to 7% under the
+    # peak without them); seven C x C matrices a head (the decays, k k^T and its gated forms, the solve's input,
+    # q k^T and q k^T * decay); 16 numbers a head (gates, norms, decays); the carried state [Dk, Dv] a head once a
+    # chunk, twice; C + 2 masks of one byte. All but the first 2kd + 7vd are float32 in bf16 too:
+    # gated_delta_net runs with autocast off.
+    C, Dk, Dv = 64, cfg.gdn_k_dim, cfg.gdn_v_dim
+    kd, vd = cfg.gdn_k_heads * Dk, cfg.gdn_v_heads * Dv
+    layout = ulysses.head_layout(cfg.gdn_v_heads, cfg.gdn_k_heads, sp if "d" in cfg.layer_pattern else 1)
+    hv, hk = (max(map(len, heads)) * sp for heads in layout)  # the kernel's value and key heads, per local token
+    kd_, vd_, kv = hk * Dk, hv * Dv, hv * Dk
+    kernel = (5 + 2) * kv + (4 + 2) * vd_ + 7 * C * hv + 16 * hv + 2 * Dk * Dv * hv / C
+    deltanet = 2 * kd + 7 * vd + wide * (3 * (2 * kd_ + vd_) + kernel) + (C + 2) / e
+    kept = {"a": norms + attention + mlp, "d": norms + deltanet + mlp}
+    layers = [kept[block.kind] for block in model.blocks]
+    blocks = tokens * e * (cfg.n_layer * h * wide if cfg.recompute else sum(layers))  # kept until backward
+    offloaded = blocks if cfg.offload and cuda else 0
+    # The head's backward: the final norm's three [h] tensors, then float32 logits, their gradient and the
+    # softmax's output, 4 bytes each per vocabulary entry; tiled, its input and one tile's logits and gradient.
+    head = tokens * e * ((2 * wide + 1) * h if cfg.tiles == 1 else (wide + 1) * h) + tokens * V * (
+        12 if cfg.tiles == 1 else 8 / cfg.tiles)
+    # A block's backward (after its recomputation, if any) holds about four float32 [h] gradients at once: measured
+    layer = tokens * e * ((max(layers) if cfg.recompute else 0) + 4 * h * wide) + tokens * ring_backward
+    activations = blocks - offloaded + tokens * 4 * 2 * D + max(head, layer)  # + RoPE's float32 cos and sin
+    if zero == "0":  # everything on every rank (in bf16 also autocast's bf16 copy of the weights)
+        state, local = (16 + (2 if bf16 else 0)) * n_params, n_params
+    else:  # float32 shards of params, grads and AdamW's two moments, and two gathered units (compute dtype)
+        state, local = 16 * n_params / world_size + 2 * unit * e, n_params / world_size
+    adamw = 8 * local  # AdamW's step makes two float32 temporaries the size of the shards, after backward
+    return {"peak": state + max(activations, adamw), "state": state, "activations": activations, "adamw": adamw,
+            "offloaded": offloaded}
+
+
+def predicted(args, world_size, cuda=None, **changed):
+    """predict_memory for a run with these flags (some of them changed)."""
+    args = argparse.Namespace(**{**vars(args), **changed})
+    return predict_memory(model_config(args), local_tokens(args), args.batch_size, args.sp, args.ring, world_size,
+                          args.zero, args.device == "cuda" if cuda is None else cuda, args.dtype == "bfloat16")
+
+
+def memory_verdict(args, world_size, memory, cuda):
+    """(fits, one line): this run's predicted peak per rank against `memory` bytes, the longest sequence that
+    would fit, and what --recompute, --tiles 16 or the largest sp would make of it."""
+    peak = lambda **changed: predicted(args, world_size, cuda, **changed)["peak"]
+    longest = args.sp if peak(seq_len=args.sp) <= memory else 0  # doubled while it fits, then grown by halves
+    while longest and peak(seq_len=2 * longest) <= memory:
+        longest *= 2
+    for step in (longest // 2**k for k in range(1, 7)):  # to within 1/64
+        longest += step if peak(seq_len=longest + step) <= memory else 0
+    # the most ranks in one SP group: all of them, with the smallest ring that leaves every Ulysses rank a head,
+    # where a ring can run; else as many as there are heads
+    if not ring_refusal(args):
+        sp = world_size
+        rings = min(r for r in range(1, sp + 1) if sp % r == 0 and sp // r <= args.n_head)
+    else:  # Gated DeltaNet layers split their value heads
+        heads = min([args.n_head] * ("a" in args.layer_pattern) + [model_config(args).gdn_v_heads] *
+                    ("d" in args.layer_pattern))
+        sp, rings = max(p for p in range(1, min(world_size, heads) + 1) if world_size % p == 0), 1
+    options = {"--recompute": {"recompute": True}, "--tiles 16": {"tiles": max(16, args.tiles)},
+               f"--sp {sp}" + f" --ring {rings}" * (rings > 1): {"sp": sp, "ring": rings}}
+    others = [f"{flags}: {peak(**change) / 2**30:,.1f} GiB" for flags, change in options.items()
+              if any(getattr(args, k) != v for k, v in change.items())]  # those that change something
+    m, gib = predicted(args, world_size, cuda), lambda b: f"{b / 2**30:,.1f} GiB"
+    return m["peak"] <= memory, (
+        f"{gib(m['peak'])} per rank for {local_tokens(args) // args.batch_size:,} tokens a rank (model state "
+        f"{gib(m['state'])} + the larger of activations {gib(m['activations'])} and AdamW's step temporaries "
+        f"{gib(m['adamw'])}; {gib(m['offloaded'])} more in CPU memory), against "
+        f"{gib(memory)}; {f'about {longest:,} tokens would fit' if longest else 'no sequence fits'}; "
+        f"{'; '.join(others) or 'nothing else to try'}")
+
+
+def check_memory(args, world_size):
+    """Refuse a run whose predicted peak exceeds the free GPU memory, or this rank's share of the machine's
+    available RAM, before anything is allocated."""
+    if args.device == "cuda":
+        have = torch.cuda.mem_get_info(int(os.environ.get("LOCAL_RANK", 0)))[0]
+    elif os.path.exists("/proc/meminfo"):
+        with open("/proc/meminfo") as f:
+            have = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable"))
+        have //= int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    else:
+        return
+    if predicted(args, world_size)["peak"] > have:  # only then what would fit: that search takes about a second
+        fail(f"this run would need {memory_verdict(args, world_size, have, args.device == 'cuda')[1]}")
+
+
+def plan(args):
+    """--plan NxGIB: the predicted memory of this run on N GPUs of GIB GiB, without running it."""
+    try:
+        gpus, gib = args.plan.lower().split("x")
+        world_size, memory = int(gpus), float(gib) * 2**30
+        if world_size < 1 or not (math.isfinite(memory) and memory > 0):
+            raise ValueError
+    except ValueError:
+        fail(f"--plan {args.plan}: write it as GPUSxGIB, at least one GPU of more than 0 GiB, e.g. 8x80 for 8 GPUs "
+             f"of 80 GiB")
+    check_args(args, world_size)
+    fits, verdict = memory_verdict(args, world_size, memory, cuda=True)
+    usp = f" (ulysses {args.sp // args.ring} x ring {args.ring})" if args.ring > 1 else ""
+    print(f"plan: {world_size} GPU{'s' * (world_size > 1)}, sp {args.sp}{usp}, seq {args.seq_len:,}: "
+          f"{'fits' if fits else 'does NOT fit'}: {verdict}")
+    return fits
+
+
+class PeakMemory:
+    """The peak tensor memory of one training step, in bytes, the largest over the ranks (`.bytes`):
+    torch.cuda.max_memory_allocated on CUDA; on CPU, which has no such counter, StorageBytes. Only the measured
+    step pays for the counting."""
+
+    def __init__(self, model, optimizer, zero, device):
+        self.model, self.optimizer, self.zero, self.device, self.bytes = model, optimizer, zero, device, None
+
+    def existing(self):
+        """The tensors made before the step that it may hold: the model's, its gradients, AdamW's moments, and
+        ZeRO-3's gathered units (their storage is 0 bytes while freed)."""
+        return [*self.model.parameters(), *self.model.buffers(),
+                *(p.grad for p in self.model.parameters() if p.grad is not None),
+                *(t for state in self.optimizer.state.values() for t in state.values() if torch.is_tensor(t)),
+                *([unit.full for unit in self.zero.units] if self.zero else [])]
+
+    @contextmanager
+    def measure(self, enabled=True):
+        if not enabled:
+            yield
+            return
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+            yield
+            peak = torch.cuda.max_memory_allocated(self.device)
+        else:
+            with StorageBytes(self.existing()) as counter:
+                yield
+            peak = counter.peak
+        peak = torch.tensor(float(peak), device=self.device)
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+        self.bytes = int(peak.item())
+
+
+class StorageBytes(TorchDispatchMode):
+    """Counts the bytes of tensor storage alive while it is entered, and keeps the largest count (`.peak`). Every
+    op's outputs pass through it: a storage it has not seen adds its bytes, and subtracts them when it is freed
+    (a finalizer). The storages of `existing` tensors are counted once at the start. ZeRO-3 frees and refills its
+    gathered units by resizing their storage, which no op shows, so resize_ is watched while it is entered. The
+    cost is a few dictionary operations an op, whatever the model's depth."""
+
+    def __init__(self, existing):
+        super().__init__()
+        self.sizes = WeakIdKeyDictionary()  # storage -> [its bytes, as counted]
+        self.finalizers, self.now, self.peak = [], 0, 0
+        for t in existing:
+            self._see(t)
+
+    def _see(self, t):
+        storage = (t.to_local() if isinstance(t, DTensor) else t).untyped_storage()
+        if storage not in self.sizes:
+            self.sizes[storage] = size = [0]
+            self.finalizers.append(weakref.finalize(storage, self._free, size))
+            self._grow(size, storage.nbytes())
+
+    def _grow(self, size, nbytes):
+        size[0] += nbytes
+        self.now += nbytes
+        self.peak = max(self.peak, self.now)
+
+    def _free(self, size):
+        self._grow(size, -size[0])
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if DTensor in types:
+            return NotImplemented  # DTensor runs first, and its local ops come through here
+        out = func(*args, **(kwargs or {}))
+        for t in pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                self._see(t)
+        return out
+
+    def __enter__(self):
+        resize = self.resize = torch.UntypedStorage.resize_
+
+        def counted_resize(storage, nbytes):
+            resize(storage, nbytes)
+            if storage in self.sizes:
+                self._grow(self.sizes[storage], storage.nbytes() - self.sizes[storage][0])
+        torch.UntypedStorage.resize_ = counted_resize
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.UntypedStorage.resize_ = self.resize
+        for finalizer in self.finalizers:
+            finalizer.detach()
+        return super().__exit__(*exc)
