@@ -81,7 +81,7 @@ def gated_delta_rule(q, k, v, g, beta, starts=None):
         M = decay[:, t, :, None, None] * M
         error = v[:, t] - torch.einsum("bhkv,bhk->bhv", M, k[:, t])  # (B, H, Dv): what M predicts for k, wrongly
         M = M + beta[:, t, :, None, None] * k[:, t, :, :, None] * error[:, :, None, :]
-        outputs.append(torch.einsum("bhkv,bhk->bhv", M, q[:, t]) * q.shape[-1] ** -0.5)
+        outputs.append(torch.einsum("bhkv,bhk->bhv", M, q[:, t]) * q.shape[-1] ** -0.5)  # (B, H, Dv)
     return torch.stack(outputs, dim=1)  # (B, S, H, Dv)
 
 
@@ -108,7 +108,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, starts=None, chunk_size=64):
     starts = torch.zeros(B, S, dtype=torch.bool, device=q.device) if starts is None else starts
     document = F.pad(starts, (0, n * C - S)).reshape(B, 1, n, C).cumsum(-1)  # (B, 1, n, C): 0 = the one entered
     G = g.cumsum(-1)  # (B, H, n, C)
-    causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
+    causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()  # (C, C)
     same_document = (document[..., :, None] == document[..., None, :]) & causal  # (B, 1, n, C, C)
     Dec = _masked_exp(G[..., :, None] - G[..., None, :], same_document)  # (B, H, n, C, C)
     from_start = _masked_exp(G, document == 0)  # (B, H, n, C): decay from M0 to token t
@@ -117,7 +117,8 @@ def chunk_gated_delta_rule(q, k, v, g, beta, starts=None, chunk_size=64):
     A = (beta[..., None] * (k @ k.transpose(-1, -2)) * Dec).tril(-1)  # (B, H, n, C, C)
     right = torch.cat([beta[..., None] * v, (beta * from_start)[..., None] * k], dim=-1)  # (B, H, n, C, Dv + Dk)
     eye = torch.eye(C, dtype=q.dtype, device=q.device)
-    U_tilde, W = torch.linalg.solve_triangular(eye + A, right, upper=False, unitriangular=True).split([Dv, Dk], -1)
+    solved = torch.linalg.solve_triangular(eye + A, right, upper=False, unitriangular=True)  # (B, H, n, C, Dv + Dk)
+    U_tilde, W = solved.split([Dv, Dk], -1)  # (B, H, n, C, Dv), (B, H, n, C, Dk)
     # the one sequential part: the state, carried across chunks
     M, states, values = q.new_zeros(B, H, Dk, Dv), [], []
     k_to_end = (k * to_end[..., None]).transpose(-1, -2)  # (B, H, n, Dk, C)
@@ -145,7 +146,7 @@ def causal_conv1d(x, weight, starts=None):
     bounds = document_bounds(starts).tolist()
     stream = x.reshape(1, B * S, C)  # the batch as one stream of documents
     documents = [_causal_conv(stream[:, s:e], weight) for s, e in zip(bounds[:-1], bounds[1:])]  # (1, n, C) each
-    return torch.cat(documents, dim=1).view(B, S, C)
+    return torch.cat(documents, dim=1).view(B, S, C)  # (1, B*S, C) -> (B, S, C)
 
 
 def _causal_conv(x, weight):
@@ -167,7 +168,8 @@ def gated_delta_net(q, k, v, b, a, conv_weight, A_log, dt_bias, key_of_value=Non
     with torch.autocast(q.device.type, enabled=False):
         q, k, v, b, a, conv_weight, A_log, dt_bias = map(at_least_float32, (q, k, v, b, a, conv_weight, A_log, dt_bias))
         qkv = torch.cat([q.flatten(2), k.flatten(2), v.flatten(2)], dim=2)  # (B, S, 2*hk*Dk + hv*Dv): the channels
-        q, k, v = F.silu(causal_conv1d(qkv, conv_weight, starts)).split([hk * Dk, hk * Dk, hv * Dv], dim=2)
+        channels = F.silu(causal_conv1d(qkv, conv_weight, starts))  # (B, S, 2*hk*Dk + hv*Dv)
+        q, k, v = channels.split([hk * Dk, hk * Dk, hv * Dv], dim=2)  # (B, S, hk*Dk) twice, (B, S, hv*Dv)
         q, k = (F.normalize(t.view(B, S, hk, Dk), dim=-1) for t in (q, k))  # (B, S, hk, Dk)
         if key_of_value is not None:  # each value head gets its key head's q and k
             q, k = q[:, :, key_of_value], k[:, :, key_of_value]  # (B, S, hk, Dk) -> (B, S, hv, Dk)
@@ -206,6 +208,7 @@ class GatedDeltaNet(nn.Module):
     def forward(self, x, cos, sin, attend):
         B, S_local, _ = x.shape
         Hk, Hv, Dk, Dv = self.dims
+        # (B, S_local, h) -> q, k (B, S_local, Hk*Dk), v, z (B, S_local, Hv*Dv), b, a (B, S_local, Hv)
         q, k, v, z, b, a = self.in_proj(x).split([Hk * Dk, Hk * Dk, Hv * Dv, Hv * Dv, Hv, Hv], dim=-1)
         q, k = (t.view(B, S_local, Hk, Dk) for t in (q, k))  # (B, S_local, Hk, Dk)
         v, z = (t.view(B, S_local, Hv, Dv) for t in (v, z))  # (B, S_local, Hv, Dv)
