@@ -5,7 +5,7 @@ that teach a concept, so those read as their lesson.
     python bench.py attention   # one attention layer: ulysses_attention against the kernel alone, three
                                 # all-to-alls (DeepSpeed's DistributedAttention) and all-gathered k, v; weak scaling
     python bench.py tiled       # what sequence tiling saves in the MLP and the loss (tiled.py)
-    python bench.py deltanet    # the gated delta rule, chunked against the token-by-token recurrence (gpt.py)
+    python bench.py deltanet    # the gated delta rule, chunked against the token-by-token recurrence (deltanet.py)
     python bench.py memory      # train.py's predicted peak memory per rank against the measured one
     python bench.py compile     # train.py eager against --compile: the first step (which compiles) and the rest
     python bench.py ring        # Ulysses, ring and Ulysses x Ring on the same ranks: time, bytes, calls, memory;
@@ -40,6 +40,7 @@ import launch
 import memory
 import ring
 import ulysses
+from deltanet import chunk_gated_delta_rule, gated_delta_rule
 from tiled import tiled_lm_loss, tiled_mlp
 from zero3 import all_gather, reduce_scatter
 
@@ -360,7 +361,7 @@ def deltanet(args):
     for name, run in (("forward", forward), ("forward + backward", forward_backward)):
         with measuring(f"{name}: {args.reps} repetitions of each kernel"):
             recurrence, chunked = (median_seconds(partial(run, kernel), args.reps)
-                                   for kernel in (gpt.gated_delta_rule, gpt.chunk_gated_delta_rule))
+                                   for kernel in (gated_delta_rule, chunk_gated_delta_rule))
         print(f"{name:18} recurrence {recurrence * 1e3:8.1f} ms   chunked {chunked * 1e3:7.1f} ms   "
               f"{recurrence / chunked:5.1f}x faster", flush=True)
 

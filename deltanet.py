@@ -1,0 +1,247 @@
+"""
+Gated DeltaNet: linear attention whose memory is a matrix, decayed and corrected token by token. Hybrid models
+use it beside softmax attention (Qwen3-Next: three Gated DeltaNet layers to one softmax layer); gpt.py builds
+its `d` layers from this file.
+
+The gated delta rule. Per batch row and value head, a state M maps keys to values: a [Dk, Dv] matrix, M_0 = 0.
+Token t decays it, corrects it towards v_t at k_t, and reads it at q_t:
+
+    M_t = exp(g_t) (I - beta_t k_t k_t^T) M_{t-1} + beta_t k_t v_t^T        M_t [Dk, Dv]
+    o_t = M_t^T q_t / sqrt(Dk)                                               o_t [Dv]
+
+The same step in two halves, as `gated_delta_rule` computes it:
+
+    M   = exp(g_t) M_{t-1}                      forget: g_t <= 0 is the log of the decay
+    M_t = M + beta_t k_t (v_t - M^T k_t)^T      learn: a gradient step on |M^T k_t - v_t|^2 / 2, rate beta_t
+
+q_t and k_t are L2-normalised and beta_t is in (0, 1), so the step moves what M returns for k_t a share beta_t
+of the way to v_t. A document start resets the state: exp(g_t) = 0 there. The kernels take softmax attention's
+layout, one head per value head: q, k [B, S, H, Dk], v [B, S, H, Dv], g and beta [B, S, H], and `starts`, a
+bool [B, S] marking where documents start (None: one document a row) -> o [B, S, H, Dv].
+`gated_delta_rule` runs the recurrence token by token. It is the reference.
+
+The chunked form. S rank-one updates one after another are slow. Cut the sequence into chunks of C = 64
+tokens. Inside a chunk, each state and each output is affine in the state M0 the chunk starts from: a matrix
+times M0, plus a term from the chunk's own tokens. So the C steps unroll into matrix products. One triangular
+solve gives all the chunk's corrections at once (the UT transform). Only the state is carried, in a loop over
+the S/C chunks. Every step of this algebra is an identity: nothing is dropped or approximated. So the chunked
+form equals the recurrence up to float round-off (the tests hold it there at 1e-10 in float64).
+`chunk_gated_delta_rule` writes the algebra out.
+
+The causal convolution. Before the rule, every channel of q, k and v mixes its own last W tokens (W is
+conv_width, 4 by default): a depthwise convolution that never looks ahead. Then silu. It restarts at every
+document start too.
+
+The layer. One projection turns x [B, S, h] into q and k [B, S, Hk, Dk], v and z [B, S, Hv, Dv], and b and a
+[B, S, Hv]. beta = sigmoid(b); g = -exp(A_log) softplus(a + dt_bias), with A_log and dt_bias per value head as
+in Mamba2. There may be fewer key heads (q, k) than value heads (v, the state, the output): key head j serves
+value heads j*G .. j*G + G-1, G = Hv / Hk, like grouped-query attention in reverse. The output is gated per
+token: out = proj(RMSNorm(o) * silu(z)). There is no RoPE: the recurrence knows the order of the tokens.
+`gated_delta_net` is everything in between that needs the whole sequence: the conv, the L2 norms, the gates
+and the rule. It computes in float32 with autocast off: cumulative decays and a state carried over the whole
+sequence would drift in bf16.
+
+Under Ulysses SP the heads travel, as in softmax attention. What needs the whole sequence runs between two
+all-to-alls, on this rank's value heads; what is per token stays outside:
+
+    local tokens, all heads          all tokens, my heads                    local tokens, all heads
+    x -> q, k, v, z, b, a  --a2a-->  q, k, v, b, a:                 --a2a--> o -> RMSNorm(o) * silu(z) -> out
+         (z stays here)              conv over the sequence (my heads'
+                                     channels of its weight), silu, L2
+                                     norm of q and k, gates from b and a
+                                     (my heads' A_log and dt_bias), the
+                                     gated delta rule -> o
+
+One all-to-all carries q, k, v, b and a. Value heads are split over the ranks as query heads are, and each
+rank receives exactly the key heads its value heads use (`head_layout`, value heads in the role of query heads).
+So a value head never spans two ranks: at most Hv ranks, and the bytes grow with S. With packed documents, the
+starts come from the all-gathered global position ids: a shard boundary is never a document start.
+
+The file reads: the recurrence, the chunked form, the convolution, gated_delta_net, the layer. It needs torch,
+ulysses.py (the all-to-all) and tiled.py's at_least_float32. `python bench.py deltanet` times the chunked form
+against the recurrence.
+"""
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from tiled import at_least_float32
+from ulysses import all_to_all_bytes, document_bounds, head_layout, heads_to_seq, seq_to_heads, size_and_rank
+
+
+def gated_delta_rule(q, k, v, g, beta, starts=None):
+    """The recurrence, one token at a time: the obvious reference the chunked form must equal."""
+    decay = g.exp() if starts is None else g.exp().masked_fill(starts[:, :, None], 0.0)  # (B, S, H)
+    M = q.new_zeros(q.shape[0], q.shape[2], q.shape[3], v.shape[3])  # (B, H, Dk, Dv)
+    outputs = []
+    for t in range(q.shape[1]):
+        M = decay[:, t, :, None, None] * M
+        error = v[:, t] - torch.einsum("bhkv,bhk->bhv", M, k[:, t])  # (B, H, Dv): what M predicts for k, wrongly
+        M = M + beta[:, t, :, None, None] * k[:, t, :, :, None] * error[:, :, None, :]
+        outputs.append(torch.einsum("bhkv,bhk->bhv", M, q[:, t]) * q.shape[-1] ** -0.5)  # (B, H, Dv)
+    return torch.stack(outputs, dim=1)  # (B, S, H, Dv)
+
+
+def chunk_gated_delta_rule(q, k, v, g, beta, starts=None, chunk_size=64):
+    """The same result, chunk by chunk: matrix products inside a chunk of C tokens, a loop only across chunks.
+
+    In a chunk entered with state M0, let G_t = g_1 + ... + g_t and Dec[t, s] = exp(G_t - G_s) for s <= t in
+    the same document (else 0). The corrected values U (u_t = beta_t (v_t - M_{t-1}^T k_t)) solve a triangular
+    system, (I + A) U = beta V - beta exp(G) K M0 with A[t, s] = beta_t Dec[t, s] k_t.k_s for s < t, so
+        U = U~ - W M0,   U~ = (I + A)^-1 beta V,   W = (I + A)^-1 beta exp(G) K       (the UT transform)
+        O = (exp(G) Q M0 + (Q K^T * Dec) U) / sqrt(Dk)                    (the carried state, then the chunk)
+        M_next = exp(G_C) M0 + (K * exp(G_C - G))^T U                      (the state handed on)
+    A document start zeroes every decay that crosses it, exp(G) and exp(G_C - G) included.
+    """
+    B, S, H, Dk = q.shape
+    Dv = v.shape[-1]
+    C, n = chunk_size, -(-S // chunk_size)  # n chunks; the last is padded with tokens that change nothing
+
+    def chunked(x):  # (B, S, H, ...) -> (B, H, n, C, ...)
+        x = F.pad(x.transpose(1, 2), (0, 0) * (x.dim() - 3) + (0, n * C - S))
+        return x.reshape(B, H, n, C, *x.shape[3:])
+
+    q, k, v, g, beta = map(chunked, (q * Dk ** -0.5, k, v, g, beta))  # (B, H, n, C, Dk or Dv); g, beta (B, H, n, C)
+    starts = torch.zeros(B, S, dtype=torch.bool, device=q.device) if starts is None else starts
+    document = F.pad(starts, (0, n * C - S)).reshape(B, 1, n, C).cumsum(-1)  # (B, 1, n, C): 0 = the one entered
+    G = g.cumsum(-1)  # (B, H, n, C)
+    causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()  # (C, C)
+    same_document = (document[..., :, None] == document[..., None, :]) & causal  # (B, 1, n, C, C)
+    Dec = _masked_exp(G[..., :, None] - G[..., None, :], same_document)  # (B, H, n, C, C)
+    from_start = _masked_exp(G, document == 0)  # (B, H, n, C): decay from M0 to token t
+    to_end = _masked_exp(G[..., -1:] - G, document == document[..., -1:])  # (B, H, n, C): token t to chunk end
+    # the UT transform, for every chunk at once: one triangular solve gives U~ and W
+    A = (beta[..., None] * (k @ k.transpose(-1, -2)) * Dec).tril(-1)  # (B, H, n, C, C)
+    right = torch.cat([beta[..., None] * v, (beta * from_start)[..., None] * k], dim=-1)  # (B, H, n, C, Dv + Dk)
+    eye = torch.eye(C, dtype=q.dtype, device=q.device)
+    solved = torch.linalg.solve_triangular(eye + A, right, upper=False, unitriangular=True)  # (B, H, n, C, Dv + Dk)
+    U_tilde, W = solved.split([Dv, Dk], -1)  # (B, H, n, C, Dv), (B, H, n, C, Dk)
+    # the one sequential part: the state, carried across chunks
+    M, states, values = q.new_zeros(B, H, Dk, Dv), [], []
+    k_to_end = (k * to_end[..., None]).transpose(-1, -2)  # (B, H, n, Dk, C)
+    for i in range(n):
+        u = U_tilde[:, :, i] - W[:, :, i] @ M  # (B, H, C, Dv)
+        states.append(M)
+        values.append(u)
+        M = from_start[:, :, i, -1, None, None] * M + k_to_end[:, :, i] @ u  # (B, H, Dk, Dv)
+    states, U = torch.stack(states, dim=2), torch.stack(values, dim=2)  # (B, H, n, Dk, Dv), (B, H, n, C, Dv)
+    o = (q * from_start[..., None]) @ states + ((q @ k.transpose(-1, -2)) * Dec) @ U  # (B, H, n, C, Dv)
+    return o.reshape(B, H, n * C, Dv)[:, :, :S].transpose(1, 2)  # (B, S, H, Dv)
+
+
+def _masked_exp(log_decay, keep):
+    """exp(log_decay) where keep, else 0, masked before exp so that nothing overflows."""
+    return torch.where(keep, log_decay, 0.0).exp() * keep
+
+
+def causal_conv1d(x, weight, starts=None):
+    """Depthwise causal convolution over the sequence, restarting at every document: x [B, S, channels], weight
+    [channels, W] -> [B, S, channels], out_t = sum_i weight[:, W-1-i] * x_{t-i} over the tokens of t's document."""
+    B, S, C = x.shape
+    if starts is None:
+        return _causal_conv(x, weight)  # (B, S, C)
+    bounds = document_bounds(starts).tolist()
+    stream = x.reshape(1, B * S, C)  # the batch as one stream of documents
+    documents = [_causal_conv(stream[:, s:e], weight) for s, e in zip(bounds[:-1], bounds[1:])]  # (1, n, C) each
+    return torch.cat(documents, dim=1).view(B, S, C)  # (1, B*S, C) -> (B, S, C)
+
+
+def _causal_conv(x, weight):
+    """x [B, n, C] -> [B, n, C]: the convolution over n tokens, zero before the first."""
+    x = F.pad(x.transpose(1, 2), (weight.shape[1] - 1, 0))  # (B, C, W-1 + n)
+    return F.conv1d(x, weight[:, None], groups=x.shape[1]).transpose(1, 2)  # (B, C, n) -> (B, n, C)
+
+
+def gated_delta_net(q, k, v, b, a, conv_weight, A_log, dt_bias, key_of_value=None, starts=None):
+    """What a Gated DeltaNet layer computes over the full sequence, for some of its heads: q and k [B, S, hk, Dk]
+    and v [B, S, hv, Dv] before the convolution, b and a [B, S, hv, 1] (the inputs of beta and of the decay), the
+    slices of the per-head parameters for those heads, and key_of_value, for each value head the index of its key
+    head among the hk (None: hk = hv, one each) -> o [B, S, hv, Dv]. It computes in float32 with autocast off,
+    whatever the dtype of its inputs: cumulative decays and a state carried over the whole sequence would drift in
+    bf16's 8 significant bits. o comes back in the inputs' dtype, for the all-to-all."""
+    B, S, hk, Dk = q.shape
+    hv, Dv = v.shape[2:]
+    dtype = q.dtype
+    with torch.autocast(q.device.type, enabled=False):
+        q, k, v, b, a, conv_weight, A_log, dt_bias = map(at_least_float32, (q, k, v, b, a, conv_weight, A_log, dt_bias))
+        qkv = torch.cat([q.flatten(2), k.flatten(2), v.flatten(2)], dim=2)  # (B, S, 2*hk*Dk + hv*Dv): the channels
+        channels = F.silu(causal_conv1d(qkv, conv_weight, starts))  # (B, S, 2*hk*Dk + hv*Dv)
+        q, k, v = channels.split([hk * Dk, hk * Dk, hv * Dv], dim=2)  # (B, S, hk*Dk) twice, (B, S, hv*Dv)
+        q, k = (F.normalize(t.view(B, S, hk, Dk), dim=-1) for t in (q, k))  # (B, S, hk, Dk)
+        if key_of_value is not None:  # each value head gets its key head's q and k
+            q, k = q[:, :, key_of_value], k[:, :, key_of_value]  # (B, S, hk, Dk) -> (B, S, hv, Dk)
+        beta = b.squeeze(-1).sigmoid()  # (B, S, hv)
+        g = -A_log.exp() * F.softplus(a.squeeze(-1) + dt_bias)  # (B, S, hv): the log of the decay, <= 0
+        o = chunk_gated_delta_rule(q, k, v.view(B, S, hv, Dv), g, beta, starts)  # (B, S, hv, Dv)
+    return o.to(dtype)
+
+
+class GatedDeltaNet(nn.Module):
+    """Linear attention with the gated delta rule, in place of softmax attention. Called as gpt.py calls its
+    attention, layer(x, cos, sin, attend), with `attend` gated_delta_net and this forward's document starts. It
+    uses no RoPE (cos and sin go unused): the recurrence knows the order of the tokens."""
+
+    def __init__(self, cfg, sp_group):
+        super().__init__()
+        Hk, Hv, Dk, Dv = cfg.gdn_k_heads, cfg.gdn_v_heads, cfg.gdn_k_dim, cfg.gdn_v_dim
+        self.dims, self.sp_group = (Hk, Hv, Dk, Dv), sp_group
+        # q, k (Hk*Dk each), v, z (Hv*Dv each), b, a (Hv each)
+        self.in_proj = nn.Linear(cfg.n_embd, 2 * Hk * Dk + 2 * Hv * Dv + 2 * Hv, bias=False)
+        W = cfg.conv_width
+        self.conv_qk = nn.Parameter(torch.empty(2, Hk, Dk, W).uniform_(-1, 1) / W ** 0.5)  # q's and k's channels
+        self.conv_v = nn.Parameter(torch.empty(Hv, Dv, W).uniform_(-1, 1) / W ** 0.5)  # v's
+        self.A_log = nn.Parameter(torch.empty(Hv).uniform_(1, 16).log())  # decay rates, as in Mamba2
+        dt = torch.empty(Hv).uniform_(math.log(1e-3), math.log(0.1)).exp()
+        self.dt_bias = nn.Parameter(dt + torch.log(-torch.expm1(-dt)))  # softplus(dt_bias) = dt
+        self.norm = GatedRMSNorm(Dv, eps=1e-6)
+        self.proj = nn.Linear(Hv * Dv, cfg.n_embd, bias=False)
+
+    def heads(self):
+        """(value heads, key heads) of each rank between the all-to-alls: head_layout with value heads in the role
+        of query heads, since value head h uses key head h // (Hv / Hk)."""
+        Hk, Hv, _, _ = self.dims
+        return head_layout(Hv, Hk, size_and_rank(self.sp_group)[0])
+
+    def forward(self, x, cos, sin, attend):
+        B, S_local, _ = x.shape
+        Hk, Hv, Dk, Dv = self.dims
+        # (B, S_local, h) -> q, k (B, S_local, Hk*Dk), v, z (B, S_local, Hv*Dv), b, a (B, S_local, Hv)
+        q, k, v, z, b, a = self.in_proj(x).split([Hk * Dk, Hk * Dk, Hv * Dv, Hv * Dv, Hv, Hv], dim=-1)
+        q, k = (t.view(B, S_local, Hk, Dk) for t in (q, k))  # (B, S_local, Hk, Dk)
+        v, z = (t.view(B, S_local, Hv, Dv) for t in (v, z))  # (B, S_local, Hv, Dv)
+        value_heads, key_heads = self.heads()
+        rank = size_and_rank(self.sp_group)[1]
+        mine_v, mine_k = value_heads[rank], key_heads[rank]
+        q, k, v, b, a = seq_to_heads((q, k, v, b[..., None], a[..., None]), self.sp_group,
+                                     (key_heads, key_heads, value_heads, value_heads, value_heads))  # (B, S, h, *)
+        key_of_value = [h // (Hv // Hk) - mine_k.start for h in mine_v] if Hk < Hv else None
+        conv = torch.cat([self.conv_qk[:, mine_k.start:mine_k.stop].flatten(0, 2),
+                          self.conv_v[mine_v.start:mine_v.stop].flatten(0, 1)])  # (2*hk*Dk + hv*Dv, W): my channels
+        o = attend(q, k, v, b, a, conv, self.A_log[mine_v.start:mine_v.stop], self.dt_bias[mine_v.start:mine_v.stop],
+                   key_of_value)  # (B, S, hv, Dv)
+        o = heads_to_seq(o, self.sp_group, value_heads)  # (B, S_local, Hv, Dv)
+        return self.proj(self.norm(o, z).flatten(2))  # (B, S_local, h); the gate z is per token: it never left
+
+    def all_to_all_bytes(self, tokens, element_bytes):
+        """(forward, backward) bytes this rank sends per call: q and k (Dk each) to the other ranks' key heads, v
+        (Dv), b and a (one each) to their value heads, and the output (Dv) back; backward the reverse."""
+        _, _, Dk, Dv = self.dims
+        value_heads, key_heads = self.heads()
+        rank = size_and_rank(self.sp_group)[1]
+        (k_there, k_back), (v_there, v_back), (o_there, o_back) = (
+            all_to_all_bytes(heads, rank, tokens * width * element_bytes)
+            for heads, width in ((key_heads, 2 * Dk), (value_heads, Dv + 2), (value_heads, Dv)))
+        return k_there + v_there + o_back, o_there + k_back + v_back
+
+
+class GatedRMSNorm(nn.RMSNorm):
+    """The layer's output gate, RMSNorm(o) * silu(z) over each value head's Dv: nn.RMSNorm's weight and name, the
+    statistics in at least float32 whatever the dtypes of o and of the weight (bf16 when ZeRO-3 or FSDP2 gathers
+    it so), the normalised o in o's dtype."""
+
+    def forward(self, o, z):
+        normed = F.rms_norm(at_least_float32(o), o.shape[-1:], at_least_float32(self.weight), self.eps)
+        return normed.to(o.dtype) * F.silu(z)  # (B, S_local, Hv, Dv)
