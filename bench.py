@@ -400,7 +400,7 @@ def memory_(args):
             launch.check_args(flags, P)
             cells.append(f"{measured / 2**20:.1f} / {memory.predicted(flags, P)['peak'] / 2**20:.1f}")
         print(f"{S:>8,} {' '.join(extra):<24}" + "".join(f"{cell:>16}" for cell in cells), flush=True)
-    print(f"\nwhat measuring costs: train.py --n-embd 32 --steps 6 --n-layer L, one process; seconds of the measured "
+    print("\nwhat measuring costs: train.py --n-embd 32 --steps 6 --n-layer L, one process; seconds of the measured "
           "(last) step against the median of steps 2 to 5")
     print(f"{'layers':>6} {'ordinary step s':>16} {'measured step s':>16} {'ratio':>6}", flush=True)
     for layers in args.depths:
