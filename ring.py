@@ -36,184 +36,48 @@ Then every block from another rank costs half a block of work on every rank (`ri
     rank       0  1  2  3  3  2  1  0
 
 USP. An SP group of P = U x R ranks: U consecutive ranks form a Ulysses group, and the ranks at the same place
-in each of the R Ulysses groups form a ring. ulysses_attention(q, k, v, ulysses_group, attn_fn=partial(ring_attention, group=ring_group)) is all it
-takes: the all-to-all gives each rank whole heads of its ring block, the ring runs over the blocks, and the
-all-to-all gives the heads back. ulysses.shard_for_sp lays the tokens out in the zigzag order for it.
+in each of the R Ulysses groups form a ring. This is all it takes:
 
-This file depends on torch alone (2.6 or later): copy it into your own project. `python bench.py ring` measures
-it.
+    ulysses_attention(q, k, v, ulysses_group, attn_fn=partial(ring_attention, group=ring_group))
+
+The all-to-all gives each rank whole heads of its ring block, the ring runs over the blocks, and the all-to-all
+gives the heads back. ulysses.shard_for_sp lays the tokens out in the zigzag order for it.
+
+The file reads down the call path: `ring_attention`, the ring itself (forward and backward), one step of it, the
+attention over one block, and last the token layout and the plumbing. It depends on torch alone (2.6 or later):
+copy it into your own project. `python bench.py ring` measures it.
 """
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-# what this process has sent around the ring: {"forward"|"backward": {"calls": int, "bytes": int}}
-ring_stats = {"forward": {"calls": 0, "bytes": 0}, "backward": {"calls": 0, "bytes": 0}}
 
+def ring_attention(q, k, v, group=None, layout="zigzag", window=None):
+    """Causal attention over a sequence whose tokens are split over the R ranks of `group`.
 
-def size_and_rank(group):
-    """(R, this process's rank in the ring); (1, 0) for group=None, a ring of one rank."""
-    return (1, 0) if group is None else (dist.get_world_size(group), dist.get_rank(group))
-
-
-def reset_ring_stats():
-    for counts in ring_stats.values():
-        counts["calls"], counts["bytes"] = 0, 0
-
-
-def token_index(layout, rank, R, L):
-    """The positions in the full sequence of the L tokens that ring rank `rank` of R holds, as a CPU tensor:
-    one contiguous block ("contiguous"), or chunks rank and 2R-1-rank of 2R ("zigzag", L even)."""
-    if layout == "contiguous":
-        return torch.arange(rank * L, (rank + 1) * L)  # (L,)
-    C = L // 2  # chunk length
-    return torch.cat([torch.arange(rank * C, (rank + 1) * C), torch.arange((2 * R - 1 - rank) * C, (2 * R - rank) * C)])
-
-
-def key_ranges(q_index, k_index, window=None):
-    """Which keys each query may see: causal, and within the last `window` tokens if given. Positions in both
-    layouts rise along a rank's tokens, so the keys a query sees are one run of k_index: (lo, hi), two [Lq]
-    tensors, query i seeing keys lo[i] .. hi[i] - 1 (none when lo[i] = hi[i]). Never a [Lq, Lk] mask."""
-    hi = torch.searchsorted(k_index, q_index, right=True)  # (Lq,): the keys at or before each query
-    lo = torch.searchsorted(k_index, q_index - window, right=True) if window else torch.zeros_like(hi)  # (Lq,)
-    return lo, hi
-
-
-def cut(lo, hi):
-    """(rows, cols): the queries that see any key and the keys they see, as two slices, or None when no query
-    sees any. This is all the work a block needs: with zigzag, a block from an earlier rank is cut to its first
-    chunk of keys, and a block from a later rank to the queries of my second chunk."""
-    rows = (hi > lo).nonzero().flatten()
-    if len(rows) == 0:
-        return None
-    rows = slice(rows[0].item(), rows[-1].item() + 1)
-    return rows, slice(lo[rows].min().item(), hi[rows].max().item())
-
-
-def ring_work(R, L, layout, window=None):
-    """Attention work per rank: the query-key pairs of each block's cut, summed over the R steps (a tiled kernel
-    skips part of the own block's too). A list of R numbers; zigzag makes them equal (for causal attention)."""
-    work = []
-    for r in range(R):
-        cuts = [cut(*key_ranges(token_index(layout, r, R, L), token_index(layout, j, R, L), window)) for j in range(R)]
-        work.append(sum((c[0].stop - c[0].start) * (c[1].stop - c[1].start) for c in cuts if c is not None))
-    return work
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# one block: attention of my queries to one key/value block, as flash attention computes it (in float32)
-#
-# Queries are grouped by the kv head they use (grouped-query attention: G = Hq / Hkv query heads per kv head), so
-# a kv head is never copied: q [B, Lq, Hkv, G, D], k and v [B, Lk, Hkv, D]. The queries go QUERY_TILE at a time,
-# so the scores in memory are [B, QUERY_TILE, Hq, Lk] at most, never [B, Lq, Hq, Lk]: memory grows as S/R, not
-# (S/R)^2. A tile meets only the keys its queries see (`cut` again), so a causal block costs about half. Which keys
-# those are comes as (lo, hi) per query (key_ranges); a tile's mask is built from them, [tile, keys] at most.
-
-QUERY_TILE = 512
-
-
-def _scores(q, k, mask):
-    """Scaled scores of queries q against keys k, -inf where the mask hides a key: [B, Lq, Hkv, G, Lk]."""
-    scores = torch.einsum("bqhgd,bkhd->bqhgk", q, k).mul_(q.shape[-1] ** -0.5)  # (B, Lq, Hkv, G, Lk)
-    return scores if mask is None else scores.masked_fill_(~mask[:, None, None, :], float("-inf"))
-
-
-def _tiles(lo, hi, device):
-    """(queries, keys, mask or None) for each tile of up to QUERY_TILE queries that sees any key: slices of the
-    block's queries and keys, and the [queries, keys] mask of what each query sees, None when it sees them all."""
-    tiles = []
-    for start in range(0, len(lo), QUERY_TILE):
-        tile_lo, tile_hi = lo[start:start + QUERY_TILE], hi[start:start + QUERY_TILE]
-        if (part := cut(tile_lo, tile_hi)) is None:
-            continue
-        rows, keys = part
-        tile_lo, tile_hi = tile_lo[rows], tile_hi[rows]  # (T,)
-        queries = slice(start + rows.start, start + rows.stop)
-        if (tile_lo == keys.start).all() and (tile_hi == keys.stop).all():
-            tiles.append((queries, keys, None))
-            continue
-        key = torch.arange(keys.start, keys.stop)[None, :]  # (1, keys)
-        mask = (key >= tile_lo[:, None]) & (key < tile_hi[:, None])  # (T, keys)
-        tiles.append((queries, keys, mask.to(device)))
-    return tiles
-
-
-def block_attention(q, k, v, lo, hi):
-    """(output normalized over this block's keys [B, Lq, Hkv, G, D], its log-sum-exp [B, Lq, Hkv, G]), query i
-    seeing keys lo[i] .. hi[i] - 1. A query that sees no key of the block gets output 0 and lse -inf, which
-    `merge` ignores."""
-    out = q.new_zeros(*q.shape[:-1], v.shape[-1])  # (B, Lq, Hkv, G, D)
-    lse = q.new_full(q.shape[:-1], float("-inf"))  # (B, Lq, Hkv, G)
-    for queries, keys, mask in _tiles(lo, hi, q.device):
-        scores = _scores(q[:, queries], k[:, keys], mask)  # (B, T, Hkv, G, keys)
-        tile_lse = scores.logsumexp(-1)  # (B, T, Hkv, G): log of the softmax's normalizer over these keys
-        p = scores.sub_(tile_lse.masked_fill(tile_lse == float("-inf"), 0)[..., None]).exp_()  # softmax, in place
-        out[:, queries] = torch.einsum("bqhgk,bkhd->bqhgd", p, v[:, keys])
-        lse[:, queries] = tile_lse
-    return out, lse
-
-
-def merge(out, lse, block_out, block_lse):
-    """Fold one block's result into the running one, in place: the exact softmax over the keys of both."""
-    out.sub_(torch.sigmoid(block_lse - lse)[..., None] * (out - block_out))  # o_a + w (o_b - o_a), w = e^lse_b / e^lse
-    lse.sub_(F.logsigmoid(lse - block_lse))  # log(e^lse_a + e^lse_b) = lse_a - log sigmoid(lse_a - lse_b)
-
-
-def block_gradients(q, k, v, lo, hi, lse, dout, delta):
-    """dq, dk, dv of one block, given the FINAL lse of my queries (so p below is their true attention to this
-    block's keys) and delta = rowsum(dout * out): the softmax's backward, block by block."""
-    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    for queries, keys, mask in _tiles(lo, hi, q.device):
-        p = _scores(q[:, queries], k[:, keys], mask).sub_(lse[:, queries, ..., None]).exp_()  # (B, T, Hkv, G, keys)
-        dv[:, keys] += torch.einsum("bqhgk,bqhgd->bkhd", p, dout[:, queries])
-        dp = torch.einsum("bqhgd,bkhd->bqhgk", dout[:, queries], v[:, keys])  # (B, T, Hkv, G, keys)
-        dscores = dp.sub_(delta[:, queries, ..., None]).mul_(p).mul_(q.shape[-1] ** -0.5)  # through softmax, scale
-        dq[:, queries] = torch.einsum("bqhgk,bkhd->bqhgd", dscores, k[:, keys])
-        dk[:, keys] += torch.einsum("bqhgk,bqhgd->bkhd", dscores, q[:, queries])
-    return dq, dk, dv
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# the ring
-
-
-def pass_on(x, group, phase):
-    """Start sending x to the next rank of the ring and receiving the previous rank's tensor of the same shape.
-    Returns (received, works): `received` is filled once every work in `works` has been waited on."""
-    R, r = size_and_rank(group)
-    received = torch.empty_like(x)
-    works = dist.batch_isend_irecv([dist.P2POp(dist.isend, x, group=group, group_peer=(r + 1) % R),
-                                    dist.P2POp(dist.irecv, received, group=group, group_peer=(r - 1) % R)])
-    ring_stats[phase]["calls"] += 1  # phase: "forward" or "backward", for the counts
-    ring_stats[phase]["bytes"] += x.nbytes
-    return received, works
-
-
-def arrived(received, works):
-    for work in works:
-        work.wait()
-    return received
-
-
-def _wide(x):
-    """x in float32 if it is in a 16-bit float (bf16 under autocast), else as it is (float64 stays float64)."""
-    return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
-
-
-def _block(mine, layout, rank, R, window, kv):
-    """What my queries need of the key/value block of ring rank `rank`, held in kv [2, B, L, Hkv, D]: None if they
-    see none of it, else (rows, cols: the cut, as slices; the rows' (lo, hi) within cols; the keys and values of
-    cols, in float32)."""
-    lo, hi = key_ranges(mine, token_index(layout, rank, R, kv.shape[2]), window)
-    if (part := cut(lo, hi)) is None:
-        return None
-    rows, cols = part
-    block_k, block_v = _wide(kv[:, :, cols])  # (B, cols, Hkv, D) each
-    return rows, cols, lo[rows] - cols.start, hi[rows] - cols.start, block_k, block_v
+    q [B, L, Hq, D], k and v [B, L, Hkv, D] with Hq a multiple of Hkv: this rank's L tokens, laid out as
+    `layout` says ("zigzag": chunks r and 2R-1-r of 2R; "contiguous": tokens [r*L, (r+1)*L)). Returns
+    [B, L, Hq, D]. window: sliding-window attention over the last `window` tokens. Differentiable; forward and
+    backward each move R-1 key/value blocks per rank, backward also R dk/dv blocks (in float32, or float64 for
+    float64 inputs).
+    group=None or a group of one rank: attention over this rank's tokens alone.
+    """
+    if layout not in ("zigzag", "contiguous"):
+        raise ValueError(f"layout={layout!r}; choose 'zigzag' or 'contiguous'")
+    if k.shape != v.shape or q.shape[:2] != k.shape[:2] or q.shape[2] % k.shape[2]:
+        raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}: want q [B, L, Hq, D] and k, v "
+                         f"[B, L, Hkv, D] with Hq a multiple of Hkv")
+    if layout == "zigzag" and q.shape[1] % 2:
+        raise ValueError(f"{q.shape[1]} tokens on this rank: zigzag holds two equal chunks, so an even number "
+                         f"(shard_for_sp pads the sequence to a multiple of 2 x the SP size)")
+    return _RingAttention.apply(q, k, v, group, layout if size_and_rank(group)[0] > 1 else "contiguous", window)
 
 
 class _RingAttention(torch.autograd.Function):
+    """The ring of the opening docstring: forward passes key/value blocks around and merges, backward runs a
+    second ring that carries each block's dk and dv home. Inside, queries are grouped by their kv head."""
+
     @staticmethod
     def forward(ctx, q, k, v, group, layout, window):
         R, r = size_and_rank(group)
@@ -274,28 +138,180 @@ class _RingAttention(torch.autograd.Function):
         return dq.reshape(B, L, Hq, D).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
 
 
-def ring_attention(q, k, v, group=None, layout="zigzag", window=None):
-    """Causal attention over a sequence whose tokens are split over the R ranks of `group`.
+# ----------------------------------------------------------------------------------------------------------------
+# one step of the ring: what travels to the next rank, and what my queries need of the block it holds
 
-    q [B, L, Hq, D], k and v [B, L, Hkv, D] with Hq a multiple of Hkv: this rank's L tokens, laid out as
-    `layout` says ("zigzag": chunks r and 2R-1-r of 2R; "contiguous": tokens [r*L, (r+1)*L)). Returns
-    [B, L, Hq, D]. window: sliding-window attention over the last `window` tokens. Differentiable; forward and
-    backward each move R-1 key/value blocks per rank, backward also R dk/dv blocks (in float32, or float64 for
-    float64 inputs).
-    group=None or a group of one rank: attention over this rank's tokens alone.
-    """
-    if layout not in ("zigzag", "contiguous"):
-        raise ValueError(f"layout={layout!r}; choose 'zigzag' or 'contiguous'")
-    if k.shape != v.shape or q.shape[:2] != k.shape[:2] or q.shape[2] % k.shape[2]:
-        raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}: want q [B, L, Hq, D] and k, v "
-                         f"[B, L, Hkv, D] with Hq a multiple of Hkv")
-    if layout == "zigzag" and q.shape[1] % 2:
-        raise ValueError(f"{q.shape[1]} tokens on this rank: zigzag holds two equal chunks, so an even number "
-                         f"(shard_for_sp pads the sequence to a multiple of 2 x the SP size)")
-    return _RingAttention.apply(q, k, v, group, layout if size_and_rank(group)[0] > 1 else "contiguous", window)
+
+def pass_on(x, group, phase):
+    """Start sending x to the next rank of the ring and receiving the previous rank's tensor of the same shape.
+    Returns (received, works): `received` is filled once every work in `works` has been waited on."""
+    R, r = size_and_rank(group)
+    received = torch.empty_like(x)
+    works = dist.batch_isend_irecv([dist.P2POp(dist.isend, x, group=group, group_peer=(r + 1) % R),
+                                    dist.P2POp(dist.irecv, received, group=group, group_peer=(r - 1) % R)])
+    ring_stats[phase]["calls"] += 1  # phase: "forward" or "backward", for the counts
+    ring_stats[phase]["bytes"] += x.nbytes
+    return received, works
+
+
+def arrived(received, works):
+    for work in works:
+        work.wait()
+    return received
+
+
+def _block(mine, layout, rank, R, window, kv):
+    """What my queries need of the key/value block of ring rank `rank`, held in kv [2, B, L, Hkv, D]: None if they
+    see none of it, else (rows, cols: the cut, as slices; the rows' (lo, hi) within cols; the keys and values of
+    cols, in float32)."""
+    lo, hi = key_ranges(mine, token_index(layout, rank, R, kv.shape[2]), window)
+    if (part := cut(lo, hi)) is None:
+        return None
+    rows, cols = part
+    block_k, block_v = _wide(kv[:, :, cols])  # (B, cols, Hkv, D) each
+    return rows, cols, lo[rows] - cols.start, hi[rows] - cols.start, block_k, block_v
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# one block: attention of my queries to one key/value block, as flash attention computes it (in float32)
+#
+# Queries are grouped by the kv head they use (grouped-query attention: G = Hq / Hkv query heads per kv head), so
+# a kv head is never copied: q [B, Lq, Hkv, G, D], k and v [B, Lk, Hkv, D]. The queries go QUERY_TILE at a time,
+# so the scores in memory are [B, QUERY_TILE, Hq, Lk] at most, never [B, Lq, Hq, Lk]: memory grows as S/R, not
+# (S/R)^2. A tile meets only the keys its queries see (`cut`, as for a whole block), so a causal block costs about
+# half. Which keys those are comes as (lo, hi) per query (key_ranges). A tile's mask is built from them, [tile,
+# keys] at most.
+
+QUERY_TILE = 512
+
+
+def block_attention(q, k, v, lo, hi):
+    """(output normalized over this block's keys [B, Lq, Hkv, G, D], its log-sum-exp [B, Lq, Hkv, G]), query i
+    seeing keys lo[i] .. hi[i] - 1. A query that sees no key of the block gets output 0 and lse -inf, which
+    `merge` ignores."""
+    out = q.new_zeros(*q.shape[:-1], v.shape[-1])  # (B, Lq, Hkv, G, D)
+    lse = q.new_full(q.shape[:-1], float("-inf"))  # (B, Lq, Hkv, G)
+    for queries, keys, mask in _tiles(lo, hi, q.device):
+        scores = _scores(q[:, queries], k[:, keys], mask)  # (B, T, Hkv, G, keys)
+        tile_lse = scores.logsumexp(-1)  # (B, T, Hkv, G): log of the softmax's normalizer over these keys
+        p = scores.sub_(tile_lse.masked_fill(tile_lse == float("-inf"), 0)[..., None]).exp_()  # softmax, in place
+        out[:, queries] = torch.einsum("bqhgk,bkhd->bqhgd", p, v[:, keys])
+        lse[:, queries] = tile_lse
+    return out, lse
+
+
+def merge(out, lse, block_out, block_lse):
+    """Fold one block's result into the running one, in place: the exact softmax over the keys of both."""
+    out.sub_(torch.sigmoid(block_lse - lse)[..., None] * (out - block_out))  # o_a + w (o_b - o_a), w = e^lse_b / e^lse
+    lse.sub_(F.logsigmoid(lse - block_lse))  # log(e^lse_a + e^lse_b) = lse_a - log sigmoid(lse_a - lse_b)
+
+
+def block_gradients(q, k, v, lo, hi, lse, dout, delta):
+    """dq, dk, dv of one block, given the FINAL lse of my queries (so p below is their true attention to this
+    block's keys) and delta = rowsum(dout * out): the softmax's backward, block by block."""
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    for queries, keys, mask in _tiles(lo, hi, q.device):
+        p = _scores(q[:, queries], k[:, keys], mask).sub_(lse[:, queries, ..., None]).exp_()  # (B, T, Hkv, G, keys)
+        dv[:, keys] += torch.einsum("bqhgk,bqhgd->bkhd", p, dout[:, queries])
+        dp = torch.einsum("bqhgd,bkhd->bqhgk", dout[:, queries], v[:, keys])  # (B, T, Hkv, G, keys)
+        dscores = dp.sub_(delta[:, queries, ..., None]).mul_(p).mul_(q.shape[-1] ** -0.5)  # through softmax, scale
+        dq[:, queries] = torch.einsum("bqhgk,bkhd->bqhgd", dscores, k[:, keys])
+        dk[:, keys] += torch.einsum("bqhgk,bqhgd->bkhd", dscores, q[:, queries])
+    return dq, dk, dv
+
+
+def _tiles(lo, hi, device):
+    """(queries, keys, mask or None) for each tile of up to QUERY_TILE queries that sees any key: slices of the
+    block's queries and keys, and the [queries, keys] mask of what each query sees, None when it sees them all."""
+    tiles = []
+    for start in range(0, len(lo), QUERY_TILE):
+        tile_lo, tile_hi = lo[start:start + QUERY_TILE], hi[start:start + QUERY_TILE]
+        if (part := cut(tile_lo, tile_hi)) is None:
+            continue
+        rows, keys = part
+        tile_lo, tile_hi = tile_lo[rows], tile_hi[rows]  # (T,)
+        queries = slice(start + rows.start, start + rows.stop)
+        if (tile_lo == keys.start).all() and (tile_hi == keys.stop).all():
+            tiles.append((queries, keys, None))
+            continue
+        key = torch.arange(keys.start, keys.stop)[None, :]  # (1, keys)
+        mask = (key >= tile_lo[:, None]) & (key < tile_hi[:, None])  # (T, keys)
+        tiles.append((queries, keys, mask.to(device)))
+    return tiles
+
+
+def _scores(q, k, mask):
+    """Scaled scores of queries q against keys k, -inf where the mask hides a key: [B, Lq, Hkv, G, Lk]."""
+    scores = torch.einsum("bqhgd,bkhd->bqhgk", q, k).mul_(q.shape[-1] ** -0.5)  # (B, Lq, Hkv, G, Lk)
+    return scores if mask is None else scores.masked_fill_(~mask[:, None, None, :], float("-inf"))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the token layout: which tokens a rank holds, and which keys its queries see
+
+
+def token_index(layout, rank, R, L):
+    """The positions in the full sequence of the L tokens that ring rank `rank` of R holds, as a CPU tensor:
+    one contiguous block ("contiguous"), or chunks rank and 2R-1-rank of 2R ("zigzag", L even)."""
+    if layout == "contiguous":
+        return torch.arange(rank * L, (rank + 1) * L)  # (L,)
+    C = L // 2  # chunk length
+    return torch.cat([torch.arange(rank * C, (rank + 1) * C), torch.arange((2 * R - 1 - rank) * C, (2 * R - rank) * C)])
+
+
+def key_ranges(q_index, k_index, window=None):
+    """Which keys each query may see: causal, and within the last `window` tokens if given. Positions in both
+    layouts rise along a rank's tokens, so the keys a query sees are one run of k_index: (lo, hi), two [Lq]
+    tensors, query i seeing keys lo[i] .. hi[i] - 1 (none when lo[i] = hi[i]). Never a [Lq, Lk] mask."""
+    hi = torch.searchsorted(k_index, q_index, right=True)  # (Lq,): the keys at or before each query
+    lo = torch.searchsorted(k_index, q_index - window, right=True) if window else torch.zeros_like(hi)  # (Lq,)
+    return lo, hi
+
+
+def cut(lo, hi):
+    """(rows, cols): the queries that see any key and the keys they see, as two slices, or None when no query
+    sees any. This is all the work a block needs: with zigzag, a block from an earlier rank is cut to its first
+    chunk of keys, and a block from a later rank to the queries of my second chunk."""
+    rows = (hi > lo).nonzero().flatten()
+    if len(rows) == 0:
+        return None
+    rows = slice(rows[0].item(), rows[-1].item() + 1)
+    return rows, slice(lo[rows].min().item(), hi[rows].max().item())
+
+
+def ring_work(R, L, layout, window=None):
+    """Attention work per rank: the query-key pairs of each block's cut, summed over the R steps (a tiled kernel
+    skips part of the own block's too). A list of R numbers; zigzag makes them equal (for causal attention)."""
+    work = []
+    for r in range(R):
+        cuts = [cut(*key_ranges(token_index(layout, r, R, L), token_index(layout, j, R, L), window)) for j in range(R)]
+        work.append(sum((c[0].stop - c[0].start) * (c[1].stop - c[1].start) for c in cuts if c is not None))
+    return work
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# plumbing: the bytes sent, the ring's size, 16-bit inputs widened to float32
+
+# what this process has sent around the ring: {"forward"|"backward": {"calls": int, "bytes": int}}
+ring_stats = {"forward": {"calls": 0, "bytes": 0}, "backward": {"calls": 0, "bytes": 0}}
+
+
+def reset_ring_stats():
+    for counts in ring_stats.values():
+        counts["calls"], counts["bytes"] = 0, 0
 
 
 def ring_bytes(R, kv_bytes, dkv_bytes):
     """(forward, backward) bytes one rank sends per ring_attention call: R-1 key/value blocks of kv_bytes each
     forward; backward the same again plus R accumulators of dkv_bytes (dk and dv in float32)."""
     return (R - 1) * kv_bytes, (R - 1) * kv_bytes + R * dkv_bytes
+
+
+def size_and_rank(group):
+    """(R, this process's rank in the ring); (1, 0) for group=None, a ring of one rank."""
+    return (1, 0) if group is None else (dist.get_world_size(group), dist.get_rank(group))
+
+
+def _wide(x):
+    """x in float32 if it is in a 16-bit float (bf16 under autocast), else as it is (float64 stays float64)."""
+    return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x

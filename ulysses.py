@@ -24,16 +24,18 @@ Four rules make training on P ranks equal to training on one device; this file h
      (`global_valid_tokens`), and SUM the gradients over all ranks, data- and sequence-parallel alike (the
      caller's gradient reduction: an all-reduce, or ZeRO-3's reduce-scatter, with SUM, never an average).
 
-The file reads in this order: the all-to-all of one tensor (the idea, whole); `ulysses_attention`, which moves
-q, k and v with the same exchange generalized (defined next: q, k and v in ONE call, any head count); the
-attention kernels; the batch and the loss (rules 1, 2 and 4); and, last, the wait that lets a script exit
-cleanly. It depends on torch alone (2.5 or later): copy it into your own project. `python bench.py attention`
-measures it.
+The file reads down the call path. First comes the all-to-all of one tensor: the idea, whole. Then comes
+`ulysses_attention`, and what it calls in that order: the head layout, seq_to_heads and heads_to_seq, and the
+exchange that moves q, k and v in one call. Then the attention kernels, and the batch and the loss (rules 1, 2
+and 4). The plumbing comes last: what torch.compile sees of the exchange, the byte counts, and the wait that lets
+a script exit cleanly. It depends on torch alone (2.5 or later): copy it into your own project. `python bench.py
+attention` measures it.
 """
 
 import sys
 import time
 import warnings
+from contextlib import contextmanager
 from functools import partial
 
 import torch
@@ -58,36 +60,18 @@ except ImportError:
 # heads_to_seq is the same exchange with the roles of the two dimensions swapped. Why the result is exact: rank i's
 # piece lands at place i, and rank i holds the i-th stretch of the sequence, so the joined tokens are in order.
 #
-# This version is here to be read (and `python bench.py attention` runs it as DeepSpeed's three all-to-alls);
-# ulysses_attention runs the same exchange generalized, two sections down.
-
-# what this process has sent to other ranks: {"forward"|"backward": {"calls": int, "bytes": int}}
-all_to_all_stats = {"forward": {"calls": 0, "bytes": 0}, "backward": {"calls": 0, "bytes": 0}}
+# This version is here to be read (and `python bench.py attention` runs it as DeepSpeed's three all-to-alls).
+# ulysses_attention runs the same exchange generalized, in the next section.
 
 
-def reset_all_to_all_stats():
-    for counts in all_to_all_stats.values():
-        counts["calls"], counts["bytes"] = 0, 0
-
-
-def _count(direction, sent_bytes):
-    all_to_all_stats[direction]["calls"] += 1
-    all_to_all_stats[direction]["bytes"] += sent_bytes
-
-
-def _one_tensor_exchange(x, group, scatter_dim, gather_dim, direction):
-    """Cut x into P equal pieces along scatter_dim, send piece j to rank j, and join the P pieces received
-    along gather_dim, rank i's at place i. The shape comments follow seq_to_heads (scatter 2, gather 1), with
-    H/P the heads of each rank."""
-    P = dist.get_world_size(group)
-    send = x.unflatten(scatter_dim, (P, -1)).movedim(scatter_dim, 0)  # (B, S/P, H, D) -> (P, B, S/P, H/P, D)
-    send = send.contiguous()  # one copy: row j, my tokens of rank j's heads, goes to rank j
-    received = torch.empty_like(send)  # (P, B, S/P, H/P, D): row i will be rank i's tokens of my heads
-    # dist.all_to_all_single(received, send, group=group), waiting until gloo has let go (_collective, below)
-    _collective(dist.all_to_all_single, [received, send], received, send, group=group)
-    _count(direction, send.nbytes * (P - 1) // P)  # row `rank` stays here
-    joined = received.movedim(0, gather_dim)  # (P, B, S/P, H/P, D) -> (B, P, S/P, H/P, D)
-    return joined.flatten(gather_dim, gather_dim + 1)  # -> (B, S, H/P, D), a copy unless B = 1
+def all_to_all(x, group, scatter_dim, gather_dim):
+    """The textbook all-to-all of one tensor, differentiable: x cut into P equal pieces along scatter_dim, piece
+    j sent to rank j, the pieces received joined along gather_dim. all_to_all(x, group, 2, 1) takes [B, S/P, H,
+    D] to [B, S, H/P, D]; all_to_all(y, group, 1, 2) takes it back. One copy before the collective, one after.
+    group=None or a group of one rank: x itself."""
+    if size_and_rank(group)[0] == 1:
+        return x
+    return _OneTensorAllToAll.apply(x, group, scatter_dim, gather_dim)
 
 
 class _OneTensorAllToAll(torch.autograd.Function):
@@ -104,23 +88,23 @@ class _OneTensorAllToAll(torch.autograd.Function):
         return _one_tensor_exchange(grad, *ctx.reverse, "backward"), None, None, None
 
 
-def all_to_all(x, group, scatter_dim, gather_dim):
-    """The textbook all-to-all of one tensor, differentiable: x cut into P equal pieces along scatter_dim, piece
-    j sent to rank j, the pieces received joined along gather_dim. all_to_all(x, group, 2, 1) takes [B, S/P, H,
-    D] to [B, S, H/P, D]; all_to_all(y, group, 1, 2) takes it back. One copy before the collective, one after.
-    group=None or a group of one rank: x itself."""
-    if size_and_rank(group)[0] == 1:
-        return x
-    return _OneTensorAllToAll.apply(x, group, scatter_dim, gather_dim)
+def _one_tensor_exchange(x, group, scatter_dim, gather_dim, direction):
+    """Cut x into P equal pieces along scatter_dim, send piece j to rank j, and join the P pieces received
+    along gather_dim, rank i's at place i. The shape comments follow seq_to_heads (scatter 2, gather 1), with
+    H/P the heads of each rank."""
+    P = dist.get_world_size(group)
+    send = x.unflatten(scatter_dim, (P, -1)).movedim(scatter_dim, 0)  # (B, S/P, H, D) -> (P, B, S/P, H/P, D)
+    send = send.contiguous()  # one copy: row j, my tokens of rank j's heads, goes to rank j
+    received = torch.empty_like(send)  # (P, B, S/P, H/P, D): row i will be rank i's tokens of my heads
+    with _gloo_lets_go(received, send):
+        dist.all_to_all_single(received, send, group=group)
+    _count(direction, send.nbytes * (P - 1) // P)  # row `rank` stays here
+    joined = received.movedim(0, gather_dim)  # (P, B, S/P, H/P, D) -> (B, P, S/P, H/P, D)
+    return joined.flatten(gather_dim, gather_dim + 1)  # -> (B, S, H/P, D), a copy unless B = 1
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # rule 3: attention over the full sequence
-
-
-def size_and_rank(group):
-    """(P, this process's rank in the group); (1, 0) for group=None, which means no communication."""
-    return (1, 0) if group is None else (dist.get_world_size(group), dist.get_rank(group))
 
 
 def ulysses_attention(q, k, v, group=None, attn_fn=None, **attn_kwargs):
@@ -133,7 +117,7 @@ def ulysses_attention(q, k, v, group=None, attn_fn=None, **attn_kwargs):
     position ids of the FULL sequence: ulysses_attention(q, k, v, group, document_attention,
     position_ids=gather_sequence(position_ids, group)). ring.ring_attention over a ring group makes it Ulysses x
     Ring. group=None or a group of one rank runs attn_fn directly. q, k and v travel in one all-to-all (the
-    exchange of the previous section, generalized in the next) and the output in one more; backward the same.
+    exchange of the previous section, generalized below) and the output in one more; backward the same.
     """
     attn_fn = attn_fn or causal_attention
     P, rank = size_and_rank(group)
@@ -146,21 +130,6 @@ def ulysses_attention(q, k, v, group=None, attn_fn=None, **attn_kwargs):
     if len(uses) > len(kv_heads[rank]):  # one kv head per query head, by indexing, in head-major memory
         k, v = (t.transpose(1, 2)[:, uses].transpose(1, 2) for t in (k, v))  # (B, S, hkv, D) -> (B, S, hq, D)
     return heads_to_seq(attn_fn(q, k, v, **attn_kwargs), group, query_heads)  # (B, S/P, Hq, D)
-
-
-def kernel_kv_heads(n_head, n_kv_head, P, rank):
-    """The kv heads rank `rank`'s kernel gets, as indices into the kv heads it holds. Kernels with grouped-query
-    attention take query head i to use kv head i // (hq / hkv). Where the rank's heads do not split that way (8
-    heads, 2 kv heads, sp 3: the middle rank holds query heads 3, 4, 5, which use kv heads 0, 1, 1), k and v are
-    expanded to one kv head per query head, after the all-to-all, never on the wire."""
-    query_heads, kv_heads = head_layout(n_head, n_kv_head, P)
-    hq, hkv = len(query_heads[rank]), len(kv_heads[rank])
-    uses = [h // (n_head // n_kv_head) - kv_heads[rank].start for h in query_heads[rank]]
-    return uses if hq % hkv or uses != [i // (hq // hkv) for i in range(hq)] else list(range(hkv))
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# the all-to-all generalized: any head count, and q, k and v in ONE call
 
 
 def head_layout(n_head, n_kv_head, P):
@@ -196,6 +165,20 @@ def head_layout(n_head, n_kv_head, P):
     return query_heads, kv_heads
 
 
+def kernel_kv_heads(n_head, n_kv_head, P, rank):
+    """The kv heads rank `rank`'s kernel gets, as indices into the kv heads it holds. Kernels with grouped-query
+    attention take query head i to use kv head i // (hq / hkv). Where the rank's heads do not split that way (8
+    heads, 2 kv heads, sp 3: the middle rank holds query heads 3, 4, 5, which use kv heads 0, 1, 1), k and v are
+    expanded to one kv head per query head, after the all-to-all, never on the wire."""
+    query_heads, kv_heads = head_layout(n_head, n_kv_head, P)
+    hq, hkv = len(query_heads[rank]), len(kv_heads[rank])
+    uses = [h // (n_head // n_kv_head) - kv_heads[rank].start for h in query_heads[rank]]
+    return uses if hq % hkv or uses != [i // (hq // hkv) for i in range(hq)] else list(range(hkv))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the all-to-all generalized: any head count, and q, k and v in ONE call
+#
 # One all_to_all_single can move several tensors, each cut along its own ranges (uneven heads, kv heads sent to
 # several ranks), with one copy on the way in and one on the way out. seq_to_heads of q, k, v on rank 0 of P = 2:
 #
@@ -206,154 +189,6 @@ def head_layout(n_head, n_kv_head, P):
 # What stays on this rank, q[t0,h0] and the like, never enters the buffers: it goes straight from the input
 # into the output. A tensor of all tokens (q, k, v here, the output's gradient in backward) is stored
 # head-major, [B, H_r, S, D] in memory, and handed on with [B, S, H_r, D] shape: SDPA reads that memory as it is.
-
-
-def _narrow(t, dim, part):
-    """The slice `part` (a range) of t along dim, as a view."""
-    return t.narrow(dim, part.start, len(part))
-
-
-def _resized(shape, dim, size):
-    """shape with shape[dim] = size."""
-    return torch.Size([*shape[:dim], size, *shape[dim + 1:]])
-
-
-def _pack(pieces):
-    """The pieces back to back in one new flat buffer: one copy each."""
-    buffer = pieces[0].new_empty(sum(piece.numel() for piece in pieces))
-    offset = 0
-    for piece in pieces:
-        buffer[offset:offset + piece.numel()].view(piece.shape).copy_(piece)
-        offset += piece.numel()
-    return buffer
-
-
-def _unpack(buffer, shapes):
-    """The flat buffer cut into consecutive views of these shapes."""
-    return [flat.view(shape) for flat, shape in zip(buffer.split([shape.numel() for shape in shapes]), shapes)]
-
-
-def _joined(t, heads, to_heads, P, me):
-    """An empty tensor for what t's exchange joins on this rank: [B, S, len(heads[me]), D] (all tokens, stored
-    head-major) or [B, S/P, all heads, D]. Built the same way for the exchange and for torch.compile's tracing,
-    so the two agree on shape and memory layout."""
-    B, S_in, H, D = t.shape  # S_in: S/P tokens on the way to heads, all S on the way back
-    if to_heads:  # head-major memory, [B, heads, S, D], read as [B, S, heads, D]
-        return torch.empty_permuted((B, S_in * P, len(heads[me]), D), (0, 2, 1, 3), dtype=t.dtype, device=t.device)
-    return t.new_empty(B, S_in // P, heads[-1].stop, D)
-
-
-def _fused_exchange(tensors, group, heads, to_heads, direction):
-    """seq_to_heads (to_heads) or heads_to_seq of several tensors, tensor t cut by heads[t] (P ranges, one per
-    rank), all in ONE collective call. Each tensor's pieces are cut along split_dim (heads, or tokens on the way
-    back) and joined along join_dim: rank j gets t's slice send[t][j], and what rank i sends lands at
-    receive[t][i] of the joined tensor. A place that several ranks fill (on its way back, a kv head that had
-    gone to several ranks) receives their sum. Returns the joined tensors."""
-    P, me = dist.get_world_size(group), dist.get_rank(group)
-    S_local = tensors[0].shape[1] if to_heads else tensors[0].shape[1] // P
-    tokens = [range(i * S_local, (i + 1) * S_local) for i in range(P)]  # rank i's tokens in the full sequence
-    send, receive = (heads, [tokens] * len(tensors)) if to_heads else ([tokens] * len(tensors), heads)
-    split_dim, join_dim = (2, 1) if to_heads else (1, 2)
-    others = [j for j in range(P) if j != me]
-    pieces = [[_narrow(t, split_dim, ranges[j]) for t, ranges in zip(tensors, send)] for j in range(P)]  # for rank j
-    joined = [_joined(t, t_heads, to_heads, P, me) for t, t_heads in zip(tensors, heads)]
-    # what arrives from rank i, tensor by tensor: my part of split_dim over rank i's range of join_dim
-    arriving = [[_resized(out.shape, join_dim, len(ranges[i])) for out, ranges in zip(joined, receive)]
-                for i in range(P)]
-
-    # 1. one copy into the send buffer, destination by destination; my own pieces stay where they are
-    send_buffer = _pack([piece for j in others for piece in pieces[j]])
-    # 2. one collective
-    send_sizes = [0 if j == me else sum(piece.numel() for piece in pieces[j]) for j in range(P)]
-    receive_sizes = [0 if i == me else sum(shape.numel() for shape in arriving[i]) for i in range(P)]
-    receive_buffer = send_buffer.new_empty(sum(receive_sizes))
-    _collective(dist.all_to_all_single, [receive_buffer, send_buffer], receive_buffer, send_buffer, receive_sizes,
-                send_sizes, group=group)
-    _count(direction, send_buffer.nbytes)
-    # The send buffer is done with (gloo has sent it when the call returns; on CUDA the memory is reused only by
-    # later work on the same stream), so its memory goes now, before the outputs are filled: the two never
-    # coexist. Resized rather than just dropped, because on CUDA the backend may still hold a reference.
-    send_buffer.untyped_storage().resize_(0)
-    # 3. one copy out of the receive buffer (and out of my own pieces) into the joined tensors
-    received = _unpack(receive_buffer, [shape for i in others for shape in arriving[i]])
-    n = len(tensors)
-    from_rank = {i: received[k * n:(k + 1) * n] for k, i in enumerate(others)}
-    from_rank[me] = pieces[me]
-    for k, (out, ranges) in enumerate(zip(joined, receive)):
-        overlapping = any(a.stop > b.start for a, b in zip(ranges, ranges[1:]))  # kv heads gone to several ranks
-        if overlapping:
-            out.zero_()
-        for i in range(P):
-            place = _narrow(out, join_dim, ranges[i])
-            if overlapping:
-                place.add_(from_rank[i][k])
-            else:
-                place.copy_(from_rank[i][k])
-    return joined
-
-
-# The exchange as an operator of its own (torch.library.custom_op), so that torch.compile traces a model through
-# it without a break: the compiler sees one opaque call with its output shapes (_joined), while the call itself
-# runs the Python above, byte counts included. Its backward is the same exchange the other way (heads_to_seq for
-# seq_to_heads), the gradient of each received piece going back to the rank that sent it. The group travels by
-# name, never as an object: nothing the autograd graph keeps holds on to the process group.
-
-
-def _head_ranges(bounds, n_tensors):
-    """[start0, stop0, start1, stop1, ...] -> per tensor, one range per rank (an operator takes flat int lists)."""
-    pairs = [range(a, b) for a, b in zip(bounds[::2], bounds[1::2])]
-    P = len(pairs) // n_tensors
-    return [pairs[k * P:(k + 1) * P] for k in range(n_tensors)]
-
-
-@torch.library.custom_op("ulysses::exchange", mutates_args=())
-def _exchange_op(tensors: list[torch.Tensor], head_bounds: list[int], to_heads: bool, group_name: str, rank: int,
-                 direction: str) -> list[torch.Tensor]:
-    group = _resolve_process_group(group_name)
-    return _fused_exchange(tensors, group, _head_ranges(head_bounds, len(tensors)), to_heads, direction)
-
-
-@_exchange_op.register_fake
-def _exchange_shapes(tensors, head_bounds, to_heads, group_name, rank, direction):
-    # the rank is an argument, not looked up, so that each rank's compiled code (which inductor caches by its
-    # arguments) carries its own shapes
-    P = dist.get_world_size(_resolve_process_group(group_name))
-    return [_joined(t, heads, to_heads, P, rank) for t, heads in zip(tensors, _head_ranges(head_bounds, len(tensors)))]
-
-
-def _keep_exchange(ctx, inputs, output):
-    _, ctx.head_bounds, ctx.to_heads, ctx.group_name, ctx.rank, _ = inputs
-
-
-def _exchange_backward(ctx, grads):
-    back = _exchange_op(list(grads), ctx.head_bounds, not ctx.to_heads, ctx.group_name, ctx.rank, "backward")
-    return back, None, None, None, None, None
-
-
-_exchange_op.register_autograd(_exchange_backward, setup_context=_keep_exchange)
-
-
-def _exchange(x, group, heads, to_heads):
-    """seq_to_heads or heads_to_seq of a tensor or a tuple of tensors (then in one collective call)."""
-    P = size_and_rank(group)[0]
-    if P == 1:
-        return x
-    single = torch.is_tensor(x)
-    tensors = [x] if single else list(x)
-    if len({(t.dtype, t.device) for t in tensors}) > 1:  # they share one buffer
-        raise ValueError(f"tensors that travel in one all-to-all must share dtype and device; got "
-                         f"{[(t.dtype, str(t.device)) for t in tensors]}")
-    if heads is None:  # one tensor, H/P heads a rank
-        if not single:
-            raise ValueError("several tensors in one all-to-all need heads: one list of P ranges each (head_layout)")
-        H = tensors[0].shape[2] * (1 if to_heads else P)
-        if H % P:
-            raise ValueError(f"{H} heads do not split evenly over {P} ranks: pass heads=head_layout(...)[0]")
-        heads = head_layout(H, 1, P)[0]
-    heads = [heads] if single else list(heads)
-    bounds = [b for ranges in heads for r in ranges for b in (r.start, r.stop)]
-    out = _exchange_op(tensors, bounds, to_heads, group.group_name, size_and_rank(group)[1], "forward")
-    return out[0] if single else tuple(out)
 
 
 def seq_to_heads(x, group, heads=None):
@@ -370,32 +205,127 @@ def heads_to_seq(x, group, heads=None):
     return _exchange(x, group, heads, to_heads=False)
 
 
-def all_to_all_bytes(heads, rank, head_bytes):
-    """(seq_to_heads, heads_to_seq): the bytes rank `rank` sends in each, for a tensor of `head_bytes` bytes per
-    head of its local tokens (B * S/P * D * element size) cut by `heads`. seq_to_heads sends its tokens of every
-    other rank's heads; heads_to_seq sends its own heads of every other rank's tokens. A kv head that goes to
-    several ranks counts once for each."""
-    return (head_bytes * sum(len(h) for j, h in enumerate(heads) if j != rank),
-            head_bytes * (len(heads) - 1) * len(heads[rank]))
+def _exchange(x, group, heads, to_heads):
+    """seq_to_heads or heads_to_seq of a tensor or a tuple of tensors (then in one collective call)."""
+    P, rank = size_and_rank(group)
+    if P == 1:
+        return x
+    single = torch.is_tensor(x)
+    tensors = [x] if single else list(x)
+    if len({(t.dtype, t.device) for t in tensors}) > 1:  # they share one buffer
+        raise ValueError(f"tensors that travel in one all-to-all must share dtype and device; got "
+                         f"{[(t.dtype, str(t.device)) for t in tensors]}")
+    if heads is None:  # one tensor, H/P heads a rank
+        if not single:
+            raise ValueError("several tensors in one all-to-all need heads: one list of P ranges each (head_layout)")
+        H = tensors[0].shape[2] * (1 if to_heads else P)
+        if H % P:
+            raise ValueError(f"{H} heads do not split evenly over {P} ranks: pass heads=head_layout(...)[0]")
+        heads = head_layout(H, 1, P)[0]
+    heads = [heads] if single else list(heads)
+    bounds = [b for ranges in heads for r in ranges for b in (r.start, r.stop)]  # flat, as an operator takes them
+    out = _exchange_op(tensors, bounds, to_heads, group.group_name, rank, "forward")
+    return out[0] if single else tuple(out)
+
+
+@torch.library.custom_op("ulysses::exchange", mutates_args=())
+def _exchange_op(tensors: list[torch.Tensor], head_bounds: list[int], to_heads: bool, group_name: str, rank: int,
+                 direction: str) -> list[torch.Tensor]:
+    """seq_to_heads (to_heads) or heads_to_seq of several tensors, all in ONE collective call. Tensor t is cut
+    by its heads, P ranges, one per rank. Each tensor's pieces are cut along split_dim (heads, or tokens on the
+    way back) and joined along join_dim. Rank j gets t's slice send[t][j], and what rank i sends lands at
+    receive[t][i] of the joined tensor. A place that several ranks fill (on its way back, a kv head that had
+    gone to several ranks) receives their sum. Returns the joined tensors.
+
+    It is an operator of its own (torch.library.custom_op), so that torch.compile traces a model through it
+    without a break: the compiler sees one call, with the shapes and the backward given at the end of the file.
+    The group travels by name, never as an object: nothing the autograd graph keeps holds on to it. The shape
+    comments follow seq_to_heads, with H_j the heads of rank j."""
+    group = _resolve_process_group(group_name)
+    P = dist.get_world_size(group)
+    heads = _head_ranges(head_bounds, len(tensors))  # per tensor, one range of heads per rank
+    S_local = tensors[0].shape[1] if to_heads else tensors[0].shape[1] // P
+    tokens = [range(i * S_local, (i + 1) * S_local) for i in range(P)]  # rank i's tokens in the full sequence
+    send, receive = (heads, [tokens] * len(tensors)) if to_heads else ([tokens] * len(tensors), heads)
+    split_dim, join_dim = (2, 1) if to_heads else (1, 2)
+    others = [j for j in range(P) if j != rank]
+    # pieces[j]: what rank j gets, tensor by tensor, as views of the inputs
+    pieces = [[t.narrow(split_dim, ranges[j].start, len(ranges[j])) for t, ranges in zip(tensors, send)]
+              for j in range(P)]  # (B, S/P, H, D) -> (B, S/P, H_j, D)
+    joined = [_joined(t, t_heads, to_heads, P, rank) for t, t_heads in zip(tensors, heads)]  # (B, S, H_rank, D)
+    # places[i]: where what rank i sends lands, tensor by tensor, as views of the outputs
+    places = [[out.narrow(join_dim, ranges[i].start, len(ranges[i])) for out, ranges in zip(joined, receive)]
+              for i in range(P)]  # (B, S, H_rank, D) -> (B, S/P, H_rank, D): rank i's tokens
+
+    # 1. one copy into the send buffer, destination by destination; my own pieces stay where they are
+    outgoing = [piece for j in others for piece in pieces[j]]
+    send_buffer = tensors[0].new_empty(sum(piece.numel() for piece in outgoing))  # flat
+    for slot, piece in zip(send_buffer.split([piece.numel() for piece in outgoing]), outgoing):
+        slot.view(piece.shape).copy_(piece)
+    # 2. one collective
+    send_sizes = [0 if j == rank else sum(piece.numel() for piece in pieces[j]) for j in range(P)]
+    receive_sizes = [0 if i == rank else sum(place.numel() for place in places[i]) for i in range(P)]
+    receive_buffer = send_buffer.new_empty(sum(receive_sizes))  # flat
+    with _gloo_lets_go(receive_buffer, send_buffer):
+        dist.all_to_all_single(receive_buffer, send_buffer, receive_sizes, send_sizes, group=group)
+    _count(direction, send_buffer.nbytes)
+    # The send buffer is done with (gloo has sent it when the call returns; on CUDA the memory is reused only by
+    # later work on the same stream), so its memory goes now, before the outputs are filled: the two never
+    # coexist. Resized rather than just dropped, because on CUDA the backend may still hold a reference.
+    send_buffer.untyped_storage().resize_(0)
+    # 3. one copy out of the receive buffer (and out of my own pieces) into the joined tensors
+    received = receive_buffer.split([place.numel() for i in others for place in places[i]])  # flat pieces
+    n = len(tensors)
+    from_rank = {i: received[k * n:(k + 1) * n] for k, i in enumerate(others)}  # rank i's n pieces, in order
+    from_rank[rank] = pieces[rank]
+    for k, (out, ranges) in enumerate(zip(joined, receive)):
+        overlapping = any(a.stop > b.start for a, b in zip(ranges, ranges[1:]))  # kv heads gone to several ranks
+        if overlapping:
+            out.zero_()
+        for i in range(P):
+            place = places[i][k]
+            piece = from_rank[i][k].view_as(place)  # flat -> (B, S/P, H_rank, D)
+            if overlapping:
+                place.add_(piece)
+            else:
+                place.copy_(piece)
+    return joined
+
+
+def _head_ranges(bounds, n_tensors):
+    """[start0, stop0, start1, stop1, ...] -> per tensor, one range per rank (an operator takes flat int lists)."""
+    pairs = [range(a, b) for a, b in zip(bounds[::2], bounds[1::2])]
+    P = len(pairs) // n_tensors
+    return [pairs[k * P:(k + 1) * P] for k in range(n_tensors)]
+
+
+def _joined(t, heads, to_heads, P, me):
+    """An empty tensor for what t's exchange joins on this rank: [B, S, len(heads[me]), D] (all tokens, stored
+    head-major) or [B, S/P, all heads, D]. Built the same way for the exchange and for torch.compile's tracing,
+    so the two agree on shape and memory layout."""
+    B, S_in, H, D = t.shape  # S_in: S/P tokens on the way to heads, all S on the way back
+    if to_heads:  # head-major memory, [B, heads, S, D], read as [B, S, heads, D]
+        return torch.empty_permuted((B, S_in * P, len(heads[me]), D), (0, 2, 1, 3), dtype=t.dtype, device=t.device)
+    return t.new_empty(B, S_in // P, heads[-1].stop, D)
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # attention kernels: any function of full-sequence q, k, v [B, S, heads, D] can run between the all-to-alls
 
 
-def _sdpa(q, k, v, **kwargs):
-    q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, S, H, D) -> (B, H, S, D), SDPA's layout
-    out = F.scaled_dot_product_attention(q, k, v, enable_gqa=k.shape[1] != q.shape[1], **kwargs)
-    return out.transpose(1, 2)  # (B, H, S, D) -> (B, S, H, D)
+def causal_attention(q, k, v):
+    """Default kernel. q [B, S, Hq, D], k and v [B, S, Hkv, D] with Hq a multiple of Hkv -> [B, S, Hq, D]."""
+    return flash_attn_func(q, k, v, causal=True) if _use_flash(q) else _sdpa(q, k, v, is_causal=True)
 
 
 def _use_flash(q):
     return flash_attn_func is not None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
 
 
-def causal_attention(q, k, v):
-    """Default kernel. q [B, S, Hq, D], k and v [B, S, Hkv, D] with Hq a multiple of Hkv -> [B, S, Hq, D]."""
-    return flash_attn_func(q, k, v, causal=True) if _use_flash(q) else _sdpa(q, k, v, is_causal=True)
+def _sdpa(q, k, v, **kwargs):
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, S, H, D) -> (B, H, S, D), SDPA's layout
+    out = F.scaled_dot_product_attention(q, k, v, enable_gqa=k.shape[1] != q.shape[1], **kwargs)
+    return out.transpose(1, 2)  # (B, H, S, D) -> (B, S, H, D)
 
 
 def sliding_window_attention(q, k, v, window):
@@ -406,15 +336,6 @@ def sliding_window_attention(q, k, v, window):
     i = torch.arange(q.shape[1], device=q.device)
     distance = i[:, None] - i[None, :]  # (S, S): query index minus key index
     return _sdpa(q, k, v, attn_mask=(distance >= 0) & (distance < window))
-
-
-def document_bounds(starts):
-    """starts [B, S], True where a document starts -> where each document of the batch, seen as one stream of
-    B*S tokens, begins (every row begins one too), followed by B*S: flash-attn's cu_seqlens."""
-    B, S = starts.shape
-    starts = starts.flatten().clone()  # (B*S,)
-    starts[::S] = True
-    return torch.cat([starts.nonzero().flatten(), torch.tensor([B * S], device=starts.device)])  # (documents + 1,)
 
 
 def document_attention(q, k, v, position_ids, window=None):
@@ -439,16 +360,26 @@ def document_attention(q, k, v, position_ids, window=None):
     return torch.cat(out, dim=1).view(B, S, Hq, D)  # (1, B*S, Hq, D) -> (B, S, Hq, D)
 
 
+def document_bounds(starts):
+    """starts [B, S], True where a document starts -> where each document of the batch, seen as one stream of
+    B*S tokens, begins (every row begins one too), followed by B*S: flash-attn's cu_seqlens."""
+    B, S = starts.shape
+    starts = starts.flatten().clone()  # (B*S,)
+    starts[::S] = True
+    return torch.cat([starts.nonzero().flatten(), torch.tensor([B * S], device=starts.device)])  # (documents + 1,)
+
+
 def gather_sequence(x, group):
     """[B, S/P] -> [B, S]: all-gather a small per-token tensor (position ids: B*S integers, never a mask) over
     the SP group, so that a kernel that runs on the full sequence knows its document boundaries."""
     P = size_and_rank(group)[0]
     if P == 1:
         return x
-    parts = [torch.empty_like(x) for _ in range(P)]
+    parts = [torch.empty_like(x) for _ in range(P)]  # (B, S/P) each
     x = x.contiguous()
-    _collective(dist.all_gather, [x, *parts], parts, x, group=group)
-    return torch.cat(parts, dim=1)
+    with _gloo_lets_go(x, *parts):
+        dist.all_gather(parts, x, group=group)
+    return torch.cat(parts, dim=1)  # (B, S)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -492,7 +423,8 @@ def global_valid_tokens(labels, group=None):
     labels = [labels] if torch.is_tensor(labels) else labels
     count = sum((l != -100).sum() for l in labels)  # () int64
     if size_and_rank(group)[0] > 1:
-        _collective(dist.all_reduce, [count], count, group=group)
+        with _gloo_lets_go(count):
+            dist.all_reduce(count, group=group)
     return count.clamp(min=1)
 
 
@@ -506,39 +438,90 @@ def check_shards(x, group=None):
         return
     shapes = [torch.zeros(2, dtype=torch.long, device=x.device) for _ in range(P)]
     mine = torch.tensor(x.shape[:2], device=x.device)
-    _collective(dist.all_gather, [mine, *shapes], shapes, mine, group=group)
+    with _gloo_lets_go(mine, *shapes):
+        dist.all_gather(shapes, mine, group=group)
     shapes = [tuple(s.tolist()) for s in shapes]
     if len(set(shapes)) > 1:
         raise ValueError(f"the ranks of the SP group hold [batch, tokens] shards of different shapes, {shapes} by "
                          f"rank; each must hold S/P tokens of the same batch (shard_for_sp pads S to a multiple of P)")
 
 
+
 # ----------------------------------------------------------------------------------------------------------------
-# plumbing: a collective on CPU returns only once gloo has let go of its tensors
+# plumbing: what torch.compile sees of the exchange, the byte counts, the group's size, the wait for gloo
 
 
-def _collective(call, tensors, *args, **kwargs):
-    """call(*args, **kwargs), a blocking torch.distributed collective over `tensors`, returning only once the
-    backend has let go of them. On CPU, gloo returns as soon as the data has moved, and its worker thread drops its
-    references to the tensors a moment later; dropping the last C++ reference to a tensor that Python holds too
-    needs the interpreter lock. If the program is exiting by then (a last collective, destroy_process_group, exit)
-    the thread cannot take the lock, and the process aborts with "terminate called without an active exception".
-    So on CPU we wait here until both counts of each tensor are back, the C++ references and, released a moment
-    after them, the Python ones: under a millisecond; after a second we warn and go on. (CUDA backends keep their
-    work until the GPU has finished, and tell nobody: nothing to wait for there.)"""
+@_exchange_op.register_fake
+def _exchange_shapes(tensors, head_bounds, to_heads, group_name, rank, direction):
+    """What torch.compile sees of the exchange: empty outputs of the right shapes and memory layout. The rank is
+    an argument, not looked up, so that each rank's compiled code (which inductor caches by its arguments)
+    carries its own shapes."""
+    P = dist.get_world_size(_resolve_process_group(group_name))
+    return [_joined(t, heads, to_heads, P, rank) for t, heads in zip(tensors, _head_ranges(head_bounds, len(tensors)))]
+
+
+def _keep_exchange(ctx, inputs, output):
+    _, ctx.head_bounds, ctx.to_heads, ctx.group_name, ctx.rank, _ = inputs
+
+
+def _exchange_backward(ctx, grads):
+    """The same exchange the other way (heads_to_seq for seq_to_heads): the gradient of each received piece goes
+    back to the rank that sent it."""
+    back = _exchange_op(list(grads), ctx.head_bounds, not ctx.to_heads, ctx.group_name, ctx.rank, "backward")
+    return back, None, None, None, None, None
+
+
+_exchange_op.register_autograd(_exchange_backward, setup_context=_keep_exchange)
+
+# what this process has sent to other ranks: {"forward"|"backward": {"calls": int, "bytes": int}}
+all_to_all_stats = {"forward": {"calls": 0, "bytes": 0}, "backward": {"calls": 0, "bytes": 0}}
+
+
+def reset_all_to_all_stats():
+    for counts in all_to_all_stats.values():
+        counts["calls"], counts["bytes"] = 0, 0
+
+
+def _count(direction, sent_bytes):
+    all_to_all_stats[direction]["calls"] += 1
+    all_to_all_stats[direction]["bytes"] += sent_bytes
+
+
+def all_to_all_bytes(heads, rank, head_bytes):
+    """(seq_to_heads, heads_to_seq): the bytes rank `rank` sends in each, for a tensor of `head_bytes` bytes per
+    head of its local tokens (B * S/P * D * element size) cut by `heads`. seq_to_heads sends its tokens of every
+    other rank's heads; heads_to_seq sends its own heads of every other rank's tokens. A kv head that goes to
+    several ranks counts once for each."""
+    return (head_bytes * sum(len(h) for j, h in enumerate(heads) if j != rank),
+            head_bytes * (len(heads) - 1) * len(heads[rank]))
+
+
+def size_and_rank(group):
+    """(P, this process's rank in the group); (1, 0) for group=None, which means no communication."""
+    return (1, 0) if group is None else (dist.get_world_size(group), dist.get_rank(group))
+
+
+@contextmanager
+def _gloo_lets_go(*tensors):
+    """Around a blocking collective over `tensors`: once the call has returned, wait until the backend has let
+    go of them. On CPU, gloo returns as soon as the data has moved. Its worker thread drops its references to
+    the tensors a moment later, and dropping the last C++ reference to a tensor that Python holds too needs the
+    interpreter lock. If the program is exiting by then (a last collective, destroy_process_group, exit), the
+    thread cannot take the lock, and the process aborts with "terminate called without an active exception".
+    So on CPU we wait until both counts of each tensor are back: the C++ references and, released a moment
+    after them, the Python ones. That takes under a millisecond; after a second we warn and go on. CUDA
+    backends keep their work until the GPU has finished, and tell nobody: nothing to wait for there."""
+    def holders():  # counted the same way before and after the call, so the references made here cancel out
+        return [count for t in tensors for count in (t._use_count(), sys.getrefcount(t))]
+
     if tensors[0].device.type != "cpu":
-        return call(*args, **kwargs)
-    before = _holders(tensors)
-    call(*args, **kwargs)
+        yield
+        return
+    before = holders()
+    yield
     deadline = time.monotonic() + 1.0
-    while any(now > then for now, then in zip(_holders(tensors), before)):
+    while any(now > then for now, then in zip(holders(), before)):
         if time.monotonic() > deadline:
-            warnings.warn(f"gloo still held the tensors of a {call.__name__} one second after it returned")
+            warnings.warn("gloo still held a collective's tensors one second after it returned")
             return
         time.sleep(1e-5)  # the interpreter lock is free for the worker thread meanwhile
-
-
-def _holders(tensors):
-    """The C++ and the Python references of each tensor, in one flat list. Counted the same way before and after
-    a call, so the references this function itself makes cancel out."""
-    return [count for t in tensors for count in (t._use_count(), sys.getrefcount(t))]
