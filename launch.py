@@ -7,13 +7,13 @@ hanging, and a copy that exits 0 from a failed run tells its node's launcher tha
 
   1. every rank checks the flags on its own, before any process waits on another (`check_args`): they all find
      the same mistake, rank 0 prints it, and every rank exits 1;
-  2. then the process group, and the dp x ring x ulysses mesh on it (`setup`), plus a gloo "control" group
-     whose waits have no deadline, for agreeing on problems;
+  2. then the process group, and the dp x ring x ulysses mesh on it (`process_groups`), plus a gloo "control"
+     group whose waits have no deadline, for agreeing on problems; every rank beats in the group's store;
   3. what one rank may find alone (its data file, its memory, its disk) is agreed in one small all-gather
      (`agreed`): if any rank found a problem, every rank exits 1. The rank that found it prints its line, naming
      itself; rank 0 prints it too when it runs on another node, so each node's log says why its run failed;
   4. a collective that fails (a peer died, or waited past --timeout) ends its rank with one line naming the
-     collective (`collective_failure`), not a traceback.
+     collective and the ranks whose beat stopped (`collective_failure`), not a traceback.
 
 A mistake is one line, `train.py: error: ...`, never a traceback and never a hang. Each node's torchrun judges
 the run by its own workers' exit statuses alone, so every rank of a failed run exits non-zero.
@@ -29,7 +29,7 @@ import os
 import threading
 import time
 import traceback
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from functools import partial
 
 import torch
@@ -227,10 +227,12 @@ def model_flags(args):
 # 2. the process groups and the mesh
 
 
-def setup(args, world_size):
-    """Device, process group (with a timeout, so a dead peer ends the run), the dp x ring x ulysses mesh, and the
-    gloo control group over every rank, whose waits have no --timeout deadline (how long a rank takes to check
-    its files depends on its storage; a dead peer is ended by torchrun)."""
+@contextmanager
+def process_groups(args, world_size):
+    """The device, the process group (with a timeout, so a dead peer ends the run), the dp x ring x ulysses mesh,
+    and the gloo control group over every rank, whose waits have no --timeout deadline (how long a rank takes to
+    check its files depends on its storage; a dead peer is ended by torchrun). While the block runs, every rank
+    beats (`pulse`). At its end the groups are destroyed, those this run made."""
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if args.device == "cuda":
         torch.cuda.set_device(local_rank)
@@ -239,7 +241,8 @@ def setup(args, world_size):
         if "OMP_NUM_THREADS" not in os.environ:
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
         device = torch.device("cpu")
-    if not dist.is_initialized():
+    owns_process_group = not dist.is_initialized()
+    if owns_process_group:
         backend, timeout = ("nccl" if device.type == "cuda" else "gloo"), datetime.timedelta(seconds=args.timeout)
         if "MASTER_ADDR" in os.environ:  # torchrun
             # The processes meet through a key-value store (torchrun's agent hosts it). After torchrun restarts the
@@ -258,7 +261,37 @@ def setup(args, world_size):
     # mesh ranks = arange(world).view(dp, ring, ulysses): an SP group is sp consecutive ranks, a Ulysses group
     # sp/ring consecutive ranks (the fastest links), and a ring the ranks at the same place in each Ulysses group
     control = dist.new_group(backend="gloo", timeout=datetime.timedelta(days=1))
-    return device, mesh, control
+    try:
+        with pulse(dist.get_rank()):
+            yield device, mesh, control
+    finally:
+        dist.destroy_process_group(control)
+        if owns_process_group:
+            dist.destroy_process_group()
+
+
+def pulse(rank, every=0.5):
+    """A beat of this rank while the block runs: a counter in the process group's store, one more every `every`
+    seconds, so that a rank whose collective failed can tell which peers are gone (lost_ranks)."""
+    store = dist.distributed_c10d._get_default_store()
+
+    def beat():
+        with suppress(RuntimeError):  # the store went with its host; lost_ranks says so
+            store.add(f"pulse_{rank}", 1)
+    return repeating(beat, every)
+
+
+def lost_ranks(world_size, wait=3.0):
+    """The ranks whose pulse stopped: their counters do not move for `wait` seconds. None if the store cannot be
+    read (it lives with rank 0's launcher, which may be what was lost)."""
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        count = lambda: [store.add(f"pulse_{r}", 0) for r in range(world_size)]
+        before = count()
+        time.sleep(wait)
+        return [r for r, (b, a) in enumerate(zip(before, count())) if a == b]
+    except RuntimeError:
+        return None
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -303,8 +336,8 @@ def stop_on(problems, rank):
 
 
 def collective_failure(error, rank, step, timeout):
-    """A collective that failed (a peer died, or waited past --timeout) as one line naming it; other errors as
-    they are."""
+    """A collective that failed (a peer died, or waited past --timeout) as one line naming it and the ranks that
+    are lost, those whose pulse stopped; other errors as they are."""
     frames = traceback.extract_tb(error.__traceback__)
     names = [f.name for f in frames if f.filename.endswith("distributed_c10d.py")]
     message = str(error).lower()
@@ -314,8 +347,13 @@ def collective_failure(error, rank, step, timeout):
         collective = f"the collective waited on at {os.path.basename(frames[-1].filename)}:{frames[-1].lineno}"
     else:
         return error
+    lost, per_node = lost_ranks(dist.get_world_size()), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    if lost is None:
+        lost = "which peer is lost cannot be told: the store that the ranks beat in is gone too"
+    else:
+        lost = "lost: " + (", ".join(f"rank {r} (node {r // per_node})" for r in lost) or "none silent now")
     return SystemExit(f"train.py: error: rank {rank}, step {step + 1}: {collective} failed (a peer process died, or "
-                      f"waited longer than --timeout {timeout:g} s): {str(error).splitlines()[0]}")
+                      f"waited longer than --timeout {timeout:g} s); {lost}: {str(error).splitlines()[0]}")
 
 
 # ----------------------------------------------------------------------------------------------------------------

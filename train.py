@@ -60,22 +60,18 @@ def main(argv=None):
                 raise SystemExit(1)
             return True
         launch.check_args(args, world_size)  # the flags alone: every rank finds the same mistake, before any wait
-        owns_process_group = not dist.is_initialized()
-        device, mesh, control = launch.setup(args, world_size)
-        lock = None
-        try:
+        with launch.process_groups(args, world_size) as (device, mesh, control):
             # what depends on this machine (files, free memory) may differ between ranks: they agree before going on
             documents = launch.agreed(control, partial(prepare, args, rank, world_size))
-            if args.out_dir:  # then rank 0 alone holds the out-dir for this run
-                lock = launch.agreed(control, lambda: checkpoint.lock_out_dir(args.out_dir) if rank == 0 else None)
-            resume_from = checkpoint.find(args, world_size, control, lr_at)
-            return train(args, world_size, mesh, device, documents, resume_from, control)
-        finally:
-            if lock:
-                lock.close()  # releases the out-dir for the next run
-            dist.destroy_process_group(control)
-            if owns_process_group:
-                dist.destroy_process_group()
+            # rank 0 alone holds the out-dir for this run
+            lock = launch.agreed(control, lambda: checkpoint.lock_out_dir(args.out_dir) if rank == 0 and args.out_dir
+                                 else None)
+            try:
+                resume_from = checkpoint.find(args, world_size, control, lr_at)
+                return train(args, world_size, mesh, device, documents, resume_from, control)
+            finally:
+                if lock:
+                    lock.close()  # releases the out-dir for the next run
 
 
 def prepare(args, rank, world_size):
