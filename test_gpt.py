@@ -1,0 +1,121 @@
+"""
+Tests of gpt.py, the whole model, against one device: loss and every gradient under SP 2, 3 and 4 with padding,
+GQA and uneven heads; packed documents under SP, no document seeing another; a packed batch against each
+document alone; tiles and recomputation against the plain model.
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import data
+import ulysses
+from conftest import DOC_LENGTHS, assert_all_close, grads, packed_batch, run_ranks, zero_batch
+from gpt import GPT, GPTConfig
+
+
+GPT_CASES = [(16, 4, 4), (13, 4, 2), (13, 4, 1)]  # (seq_len, n_head, n_kv_head); 13 is not divisible by 2, 3, 4
+
+
+def _gpt_loss_and_grads(cases, group):
+    results = []
+    for seq_len, n_head, n_kv_head in cases:
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(n_layer=2, n_head=n_head, n_kv_head=n_kv_head, n_embd=32), sp_group=group)
+        samples = (data.make_sample(i, seq_len, seed=3) for i in range(2))
+        full = [torch.stack(column) for column in zip(*samples)]
+        inputs, labels, position_ids = ulysses.shard_for_sp(*full, group)  # (B, S_pad/sp) each
+        valid = ulysses.global_valid_tokens(labels, group)
+        loss_sum, _ = model(inputs, position_ids, labels)
+        (loss_sum / valid).backward()
+        results.append((loss_sum.detach() / valid, grads(model)))
+    return results
+
+
+def _gpt_rank(rank, world_size):
+    return _gpt_loss_and_grads(GPT_CASES, dist.group.WORLD)
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_gpt_with_sp_matches_one_device(world_size):
+    """Loss and every parameter gradient, with lengths that need padding, GQA and (sp 3) uneven head layouts."""
+    per_rank = run_ranks(world_size, _gpt_rank)
+    for i, (reference_loss, reference_grads) in enumerate(_gpt_loss_and_grads(GPT_CASES, None)):
+        # each rank holds the loss of its own tokens, and the gradient of it; summed they are the whole batch's
+        torch.testing.assert_close(sum(r[i][0] for r in per_rank), reference_loss, rtol=1e-5, atol=1e-6)
+        summed = {name: sum(r[i][1][name] for r in per_rank) for name in reference_grads}
+        assert_all_close(summed, reference_grads, rtol=1e-4, atol=1e-6, where=str(GPT_CASES[i]))
+
+
+def _packed_model(group, pattern, window=0):
+    torch.manual_seed(0)
+    return GPT(GPTConfig(n_layer=2, n_head=4, n_kv_head=2, n_embd=32, window=window, layer_pattern=pattern),
+               sp_group=group)
+
+
+def _packed_run(group, pattern, window=0, changed_document=None):
+    """Logits and (grads of the mean loss) of this rank's shard of the packed batch."""
+    model = _packed_model(group, pattern, window)
+    inputs, labels, position_ids = ulysses.shard_for_sp(*packed_batch(changed_document), group)
+    logits = model(inputs, position_ids, packed=True)  # (B, S_pad/sp, vocab)
+    loss_sum = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum")
+    (loss_sum / ulysses.global_valid_tokens(labels, group)).backward()
+    return logits.detach(), grads(model)
+
+
+def _packed_rank(rank, world_size, pattern):
+    return [_packed_run(dist.group.WORLD, pattern, window) for window in (0, 5)] + \
+           [_packed_run(dist.group.WORLD, pattern, 0, changed_document=1)]
+
+
+@pytest.mark.parametrize("pattern", ["a", "da"])
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_packed_documents_under_sp(world_size, pattern):
+    """SP boundaries are not document boundaries: sp 2, 3 (uneven heads) and 4 equal one device on a packed
+    batch, for causal and sliding-window attention and for Gated DeltaNet (da: a DeltaNet layer, then softmax
+    attention), and no document sees another."""
+    per_rank = run_ranks(world_size, _packed_rank, pattern)
+    sp_results = [(torch.cat([r[i][0] for r in per_rank], dim=1)[:, :32],
+                   {n: sum(r[i][1][n] for r in per_rank) for n in per_rank[0][i][1]}) for i in range(3)]
+    for (logits, summed), window in zip(sp_results, (0, 5)):
+        reference_logits, reference_grads = _packed_run(None, pattern, window)
+        torch.testing.assert_close(logits, reference_logits, rtol=1e-5, atol=1e-5)
+        assert_all_close(summed, reference_grads, rtol=1e-4, atol=1e-6, where=f"window {window}")
+    # no leakage: new tokens in document 1 change its own logits and nothing else
+    logits, changed = sp_results[0][0], sp_results[2][0]
+    for row, order in ((0, [0, 1, 2, 3]), (1, [3, 2, 1, 0])):
+        offset = 0
+        for d in order:
+            span = slice(offset, offset + DOC_LENGTHS[d])
+            if d == 1:
+                assert not torch.allclose(logits[row, span], changed[row, span], atol=1e-3)
+            else:
+                torch.testing.assert_close(changed[row, span], logits[row, span], rtol=0, atol=1e-5)
+            offset += DOC_LENGTHS[d]
+
+
+@pytest.mark.parametrize("pattern", ["a", "da"])
+def test_packed_batch_equals_documents_alone(pattern):
+    """Each document of a packed batch gets exactly the logits it gets when run alone from position 0."""
+    model = _packed_model(None, pattern)
+    inputs, _, position_ids = packed_batch()
+    packed_logits = model(inputs, position_ids, packed=True)  # (2, 32, vocab)
+    offset = 0
+    for n in DOC_LENGTHS:
+        alone = model(inputs[:1, offset:offset + n], torch.arange(n)[None])  # (1, n, vocab), plain causal
+        torch.testing.assert_close(packed_logits[:1, offset:offset + n], alone, rtol=1e-5, atol=1e-5)
+        offset += n
+
+
+def test_gpt_tiled_and_recomputed_equals_plain():
+    idx, position_ids, labels = zero_batch()
+    labels[:, 4:8] = -100
+    results = []
+    for tiles, recompute in ((1, False), (3, False), (3, True), (1, True)):
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(n_layer=2, n_head=4, n_kv_head=2, n_embd=32, tiles=tiles, recompute=recompute))
+        loss_sum, correct = model(idx, position_ids, labels)
+        loss_sum.backward()
+        results.append((loss_sum.detach(), correct, grads(model)))
+    for result in results[1:]:
+        assert_all_close(result, results[0], rtol=1e-5, atol=1e-6)

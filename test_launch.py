@@ -1,0 +1,156 @@
+"""
+Tests of what a run does before and around its training: bad flags are refused with one line and no collective;
+under torchrun the line is printed once; an error on one rank stops every rank; a hung rank ends the run within
+--timeout; a non-finite loss stops before the update; --help shows the defaults; a long step says where it is.
+"""
+
+import io
+import os
+import re
+import signal
+import subprocess
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import bench
+import train
+from conftest import HERE, PARAGRAPHS, SHORT_RUN, start_long_run, torchrun, torchrun_patched
+from gpt import GPT, GPTConfig
+
+
+@pytest.mark.parametrize("world_size, argv, message", [
+    (4, ["--sp", "3"], r"--sp 3 does not divide the world size 4; choose --sp in \{1, 2, 4\}"),
+    (4, ["--n-head", "2", "--n-embd", "32"], r"--sp 4 with --ring 1 puts 4 ranks in each Ulysses group, more than "
+                                             r"--n-head 2: a rank would hold no head; choose --sp in \{1, 2\}, or "
+                                             r"--ring in \{2, 4\}"),
+    (4, ["--n-head", "2", "--n-embd", "32", "--layer-pattern", "da"],  # a ring cannot carry Gated DeltaNet
+     r"a rank would hold no head; choose --sp in \{1, 2\}$"),
+    (4, ["--ring", "3"], r"--ring 3 does not divide --sp 4; choose --ring in \{1, 2, 4\}"),
+    (1, ["--layer-pattern", "da", "--gdn-k-heads", "4", "--gdn-v-heads", "6"],
+     r"gdn_v_heads=6 is not a multiple of gdn_k_heads=4; choose gdn_v_heads in \{4, 8, 12, 16, \.\.\.\}"),
+    (4, ["--layer-pattern", "d", "--gdn-k-heads", "1", "--gdn-v-heads", "2"],
+     r"--sp 4 is larger than the 2 value heads of a Gated DeltaNet layer: a rank would hold none; choose --sp in "
+     r"\{1, 2\} or more --gdn-v-heads"),
+    (4, ["--ring", "2", "--layer-pattern", "da"], r"--ring 2 cannot be used with Gated DeltaNet layers \(d in "
+                                                  r"--layer-pattern\): their recurrence needs the tokens in order"),
+    (4, ["--ring", "2", "--pack"], r"--ring 2 cannot be used with --pack: the ring attends one document a row"),
+    (4, ["--n-head", "8", "--n-kv-head", "6"], r"n_head=8 is not a multiple of n_kv_head=6"),
+    (1, ["--metrics", "{empty}/metrics.jsonl"],
+     r"--metrics: cannot make the folder .*empty.txt \(File exists\)"),
+    (4, ["--seq-len", "3"], r"--seq-len 3 is smaller than --sp 4"),
+    (1, ["--data", "/no/such/file.txt"], r"--data /no/such/file.txt: no such file"),
+    (1, ["--batch-size", "0"], r"--batch-size 0 must be at least 1"),
+    (1, ["--tiles", "0"], r"--tiles 0 must be at least 1"),
+    (1, ["--data", "{empty}"], r"--data .*empty.txt: holds no text"),
+    (1, ["--data", "{empty}", "--pack"], r"--data .*empty.txt: holds no text"),
+    (1, ["--save-every", "5"], r"--resume, --save-every and --keep need --out-dir"),
+    (1, ["--offload"], r"--offload keeps the block inputs that --recompute saves in CPU memory; add --recompute"),
+    (1, ["--layer-pattern", "adx"], r"layer_pattern='adx': use the letters a \(softmax attention\) and d"),
+    (1, ["--lr", "nan"], r"--lr nan must be a finite number above 0"),
+    (1, ["--lr=-1e-3"], r"--lr -0.001 must be a finite number above 0"),
+    (1, ["--weight-decay", "inf"], r"--weight-decay inf must be a finite number of 0 or more"),
+    (1, ["--grad-clip", "-1"], r"--grad-clip -1 must be a finite number of 0 or more"),
+    (1, ["--timeout", "0"], r"--timeout 0 must be a finite number above 0"),
+    (1, ["--warmup", "-2"], r"--warmup -2 must be at least 0"),
+    (1, ["--keep", "-1"], r"--keep -1 must be at least 0"),
+    (1, ["--timeout", "1e20"], r"--timeout 1e\+20 must be at most 604800 seconds \(a week\)"),
+    (1, ["--seed", str(10**16)], r"--seed 10000000000000000 must be in \[0, 2\*\*32\)"),
+    (1, ["--metrics", "{tmp}"], r"--metrics \S+ is a directory; give a file name, e.g. \S+metrics.jsonl"),
+    (1, ["--data", "{one_paragraph}", "--pack"], r"has no blank line between paragraphs, so --pack would make one "
+                                                 r"document of it; separate documents with blank lines, or drop "
+                                                 r"--pack"),
+])
+def test_bad_input_is_refused(monkeypatch, tmp_path, world_size, argv, message):
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "one.txt").write_text("one paragraph\r\nof two lines\r\n")
+    argv = [a.format(empty=tmp_path / "empty.txt", tmp=tmp_path, one_paragraph=tmp_path / "one.txt") for a in argv]
+    monkeypatch.setenv("WORLD_SIZE", str(world_size))
+    with pytest.raises(SystemExit, match=message):
+        train.main(argv)
+    assert not dist.is_initialized()
+
+
+@pytest.mark.parametrize("script, argv", [("train.py", []), ("bench.py", []), ("bench.py", ["attention"]),
+                                          ("bench.py", ["ring"])], ids=["train", "bench", "bench attention", "bench ring"])
+def test_help_shows_the_defaults(capsys, script, argv):
+    """`python X.py --help` answers at once, exit 0, with every default that a flag has."""
+    with pytest.raises(SystemExit, match="^0$"):
+        {"train.py": train.main, "bench.py": bench.main}[script](argv + ["--help"])
+    printed = capsys.readouterr().out
+    if script == "train.py":
+        for flag, default in (("--seq-len", "128"), ("--steps", "600"), ("--batch-size", "8"), ("--n-embd", "128"),
+                              ("--timeout", "300"), ("--seed", "0"), ("--keep", "0")):
+            text = re.search(rf"\n  {flag} (.*?)(?=\n  -|\Z)", printed, re.S).group(1)  # the flag's help
+            assert f"(default: {default})" in " ".join(text.split()), flag
+    else:  # bench.py lists its benchmarks; each of them, its flags
+        assert "(default: " in printed if argv else "attention,tiled" in printed
+
+
+def test_torchrun_shows_the_error_line_once(tmp_path):
+    """Under torchrun every rank finds the mistake; its line is printed once, before torchrun's own report."""
+    done = subprocess.run(torchrun(4) + ["--lr", "nan"], cwd=HERE, capture_output=True, text=True, timeout=120)
+    output = done.stdout + done.stderr
+    assert done.returncode != 0
+    assert output.count("train.py: error: --lr nan must be a finite number above 0") == 1
+    assert output.index("train.py: error:") < output.index("FAILED")
+
+
+def test_an_error_on_one_rank_stops_every_rank_with_its_line(tmp_path):
+    """The data file missing on one machine: that rank's line, printed once, and every rank stops at once, not
+    after --timeout."""
+    text = tmp_path / "text.txt"
+    text.write_text(PARAGRAPHS)
+    status, output, seconds = torchrun_patched(tmp_path, "def read_documents(*args):\n"
+                                                "    raise ValueError('no such file or directory')\n"
+                                                "data.read_documents = read_documents", ["--data", str(text)])
+    assert status != 0 and seconds < 30, output[-3000:]
+    assert output.count(f"train.py: error: rank 1: --data {text}: no such file or directory") == 1, output[-3000:]
+
+
+def test_hung_rank_ends_the_run_within_the_timeout(tmp_path):
+    """A peer that stops answering: the others give up after --timeout seconds, naming the collective."""
+    launcher, _, workers = start_long_run(tmp_path, [], timeout=8)  # long enough for both ranks to start up
+    os.kill(workers[1], signal.SIGSTOP)
+    stopped = time.time()
+    for line in launcher.stdout:
+        if "train.py: error:" in line:
+            break
+    waited = time.time() - stopped
+    os.kill(workers[1], signal.SIGKILL)  # torchrun would wait 30 s for a stopped process to take its SIGTERM
+    launcher.communicate(timeout=60)
+    assert launcher.returncode != 0
+    named = r"(\w+|the collective waited on at [\w.]+:\d+)"  # a call, or the line that waited on an async one
+    assert re.search(rf"rank \d+, step \d+: {named} failed \(a peer process died, or waited longer than "
+                     r"--timeout 8 s\)", line)
+    assert waited < 8 + 10
+
+
+def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):
+    out_dir = tmp_path / "run"
+    with pytest.raises(SystemExit, match=r"step 2: loss nan, gradient norm nan; stopped before the update"):
+        train.main(["--lr", "1e30", "--warmup", "1", "--save-every", "1", "--out-dir", str(out_dir)] + SHORT_RUN[4:])
+    assert sorted(os.listdir(out_dir)) == [".lock", "step_000001"]
+
+
+def test_a_long_step_says_where_it_is(monkeypatch):
+    """StepProgress: a step that runs for longer than its interval shows the step, its time and the layer on the
+    progress bar, forward and backward, and nothing once the step has ended."""
+    model = GPT(GPTConfig(n_layer=2, n_embd=32))
+    bar = train.tqdm(total=1, file=io.StringIO(), mininterval=0)
+    progress = train.StepProgress(model, bar, every=0.05)
+    for block in model.blocks:  # slow layers: 0.3 s each, forward and backward
+        block.register_forward_pre_hook(lambda *args: time.sleep(0.3))
+        next(block.parameters()).register_hook(lambda grad: time.sleep(0.3))
+    progress.begin(4)
+    idx = torch.zeros(1, 8, dtype=torch.long)
+    model(idx, torch.arange(8)[None], idx)[0].backward()
+    progress.end()
+    time.sleep(0.2)
+    progress.close()
+    shown = bar.fp.getvalue()
+    for where in ("layer 1/2 forward", "layer 2/2 forward", "layer 2/2 backward", "layer 1/2 backward"):
+        assert re.search(rf"step 5: \d+ s in, {where}", shown), (where, shown)
+    assert shown.rstrip().endswith("layer 1/2 backward]")  # the step ended: nothing more

@@ -1,0 +1,104 @@
+"""
+Tests of the memory prediction against what a run holds: the predicted peak per rank within 20% of the peak
+MemTracker measures; a run that cannot fit is refused before it starts, and --plan prints what would fit; the
+README's --plan lines run as written; a ring run's bytes, plan and memory.
+"""
+
+import os
+import re
+import subprocess
+import time
+
+import pytest
+
+import train
+from conftest import HERE, run_ranks, torchrun
+
+
+MEMORY_RUNS = {1: [["--seq-len", "1024"], ["--seq-len", "4096", "--tiles", "4", "--recompute"]],
+               2: [["--seq-len", "4096"], ["--seq-len", "1024", "--tiles", "4", "--recompute"]],
+               4: [["--seq-len", "4096", "--recompute"], ["--seq-len", "4096", "--tiles", "4"]]}
+
+
+def _memory_rank(rank, world_size, runs):
+    return [train.main(argv + ["--steps", "2", "--batch-size", "1"])[-1]["peak_bytes"] for argv in runs]
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_memory_prediction_is_within_20_percent(world_size):
+    """train.py's predicted peak per rank against the peak MemTracker measures, for sp 1, 2 and 4, with and
+    without tiles and recomputation, at 1k and 4k tokens (configurations of the README's memory table)."""
+    per_rank = run_ranks(world_size, _memory_rank, MEMORY_RUNS[world_size])
+    for argv, peak in zip(MEMORY_RUNS[world_size], map(max, zip(*per_rank))):  # the busiest rank
+        args = train.parse_args(argv + ["--batch-size", "1"])
+        train.check_args(args, world_size)
+        predicted = train.predicted(args, world_size)["peak"]
+        assert abs(predicted / peak - 1) < 0.2, (argv, predicted, peak)
+
+
+def test_a_run_that_cannot_fit_is_refused_and_a_plan_is_printed(monkeypatch, capsys):
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    start = time.time()
+    with pytest.raises(SystemExit, match=r"this run would need [\d,.]+ GiB per rank for 100,000,000 tokens a rank "
+                                         r"\(model state .*\), against [\d,.]+ GiB; about [\d,]+ tokens would fit; "
+                                         r"--recompute: [\d,.]+ GiB; --tiles 16: [\d,.]+ GiB$"):
+        train.main(["--seq-len", "100000000"])
+    assert time.time() - start < 5
+    assert train.main(["--plan", "8x80", "--n-layer", "32", "--n-embd", "4096", "--n-head", "32", "--n-kv-head", "8",
+                       "--seq-len", "1048576", "--batch-size", "1", "--tiles", "64", "--recompute", "--offload"])
+    plan = re.search(r"^plan: 8 GPUs, sp 8, seq 1,048,576: fits: ([\d.]+) GiB per rank for 131,072 tokens a rank "
+                     r"\(model state ([\d.]+) GiB \+ the larger of activations ([\d.]+) GiB and AdamW's step "
+                     r"temporaries ([\d.]+) GiB; [\d.]+ GiB more in CPU memory\), against "
+                     r"80.0 GiB; about [\d,]+ tokens would fit", capsys.readouterr().out)
+    peak, state, activations, adamw = map(float, plan.groups())
+    assert abs(state + max(activations, adamw) - peak) <= 0.1  # the parts add up, to the printed rounding
+    for plan in ("8", "8xinf", "8x0", "0x80", "8xnan"):
+        with pytest.raises(SystemExit, match=rf"--plan {plan}: write it as GPUSxGIB, at least one GPU of more than 0 "
+                                             rf"GiB, e.g. 8x80"):
+            train.main(["--plan", plan])
+    with pytest.raises(SystemExit, match=r"^1$"):  # a plan that does not fit fails, after its line
+        train.main(["--plan", "1x1", "--seq-len", "10000000"])
+    assert "plan: 1 GPU, sp 1, seq 10,000,000: does NOT fit" in capsys.readouterr().out
+    # Gated DeltaNet layers alone split by their value heads, so sp may pass n_head: checked and planned
+    assert train.main(["--plan", "4x80", "--layer-pattern", "d", "--n-head", "2", "--gdn-v-heads", "4"])
+    assert "plan: 4 GPUs, sp 4, seq 128: fits" in capsys.readouterr().out
+
+
+def test_readme_plans_run_as_written(capsys):
+    """Every `python train.py --plan ...` line of README runs as written and prints its plan: the line README
+    quotes where it quotes one."""
+    with open(os.path.join(HERE, "README.md")) as f:
+        readme = f.read()
+    commands = re.findall(r"^python train\.py (--plan .*)$", readme, re.M)
+    assert len(commands) == 3
+    for command in commands:
+        capsys.readouterr()
+        try:
+            train.main(command.split())
+        except SystemExit as e:
+            assert e.code == 1  # a plan that does not fit
+        printed = capsys.readouterr().out.strip()
+        assert printed.startswith("plan: "), command
+        if "--ring" in command:
+            assert f"```\n{printed}\n```" in readme
+
+
+def test_ring_summary_plan_and_memory(capsys, monkeypatch):
+    """Under torchrun, a Ulysses 2 x ring 2 run prints the ring's bytes equal to their formula; --plan names the
+    ring and fits 1M tokens of an 8-kv-head model on 64 GPUs; the predicted peak per rank of a ring run is within
+    20% of the measured one."""
+    done = subprocess.run(torchrun(4) + ["--sp", "4", "--ring", "2", "--n-head", "2", "--steps", "2", "--seq-len", "32",
+                                         "--n-embd", "32"], cwd=HERE, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert re.search(r"ring of rank 0 per step: ([\d,]+) bytes sent \(formula \1 bytes\); sends per layer per "
+                     r"micro-step: 1 forward, 3 backward", done.stdout), done.stdout
+    assert train.main(["--plan", "64x80", "--sp", "64", "--ring", "8", "--n-layer", "32", "--n-embd", "4096",
+                       "--n-head", "32", "--n-kv-head", "8", "--batch-size", "1", "--tiles", "64", "--recompute",
+                       "--offload",
+                       "--seq-len", "1048576"])
+    assert re.match(r"plan: 64 GPUs, sp 64 \(ulysses 8 x ring 8\), seq 1,048,576: fits: ", capsys.readouterr().out)
+    argv = ["--sp", "4", "--ring", "2", "--seq-len", "4096", "--batch-size", "1"]
+    peak = max(peaks[0] for peaks in run_ranks(4, _memory_rank, [argv]))
+    args = train.parse_args(argv)
+    train.check_args(args, 4)
+    assert abs(train.predicted(args, 4)["peak"] / peak - 1) < 0.2, (train.predicted(args, 4)["peak"], peak)

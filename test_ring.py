@@ -1,0 +1,126 @@
+"""
+Tests of ring.py against one device: ring attention on 2, 3 and 4 ranks (zigzag and contiguous layouts, GQA, a
+sliding window, float64, float32 and bf16, and the bytes each rank sends), Ulysses x Ring (USP) on U x R ranks,
+and the causal work per rank of each layout.
+"""
+
+from functools import partial
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+import ring
+import ulysses
+from conftest import assert_all_close, qkv, run_ranks
+
+
+RING_CASES = [("zigzag", torch.float64, None), ("contiguous", torch.float64, None), ("zigzag", torch.float32, None),
+              ("contiguous", torch.float32, None), ("zigzag", torch.float64, 3),
+              ("zigzag", torch.bfloat16, None)]  # (layout, dtype, window)
+# bf16: the ring computes in float32 from bf16 inputs, against one device in float64 from the same bf16 numbers;
+# what remains is the rounding of each result to bf16 (8 significant bits: 2^-9 relative) and a float32 sum
+TOLERANCE = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 2 ** -7}
+
+
+def _full_attention(q, k, v, window, grad_out):
+    """One device: output and dq, dk, dv of causal (or sliding-window) attention over the whole sequence."""
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    out = ulysses.sliding_window_attention(q, k, v, window) if window else ulysses.causal_attention(q, k, v)
+    out.backward(grad_out)
+    return [out.detach(), q.grad, k.grad, v.grad]
+
+
+def _ring_rank(rank, R, cases):
+    ring.QUERY_TILE = 5  # several query tiles a block
+    results = []
+    for layout, dtype, window in cases:
+        index = ring.token_index(layout, rank, R, 24 // R)
+        q, k, v, grad_out = (t.to(dtype)[:, index].requires_grad_() for t in qkv(2, 24, 4, 2, 8))
+        ring.reset_ring_stats()
+        out = ring.ring_attention(q, k, v, dist.group.WORLD, layout, window)
+        out.backward(grad_out)
+        results.append(([out.detach(), q.grad, k.grad, v.grad], {d: dict(c) for d, c in ring.ring_stats.items()}))
+    return results
+
+
+@pytest.mark.parametrize("R", [2, 3, 4])
+def test_ring_attention_matches_one_device(R):
+    """Output and dq, dk, dv of ring attention on R ranks against one device: batch 2, GQA (4 query heads, 2 kv
+    heads), zigzag and contiguous layouts, float64 within 1e-12 and float32 within 1e-5, bf16 within its rounding
+    (outputs and gradients come back in bf16), and a sliding window.
+    Each rank sends R-1 key/value blocks forward; backward those again and R dk/dv accumulators in float32. A
+    backward that computed with the wrong block (the first one, say, instead of the one that arrived) fails."""
+    per_rank = run_ranks(R, _ring_rank, RING_CASES)
+    for i, (layout, dtype, window) in enumerate(RING_CASES):
+        q, k, v, grad_out = (t.to(dtype) for t in qkv(2, 24, 4, 2, 8))
+        want = [t.to(dtype) for t in _full_attention(*(t.double() for t in (q, k, v)), window, grad_out.double())]
+        got = [torch.zeros_like(t) for t in want]
+        for rank in range(R):
+            index = ring.token_index(layout, rank, R, 24 // R)
+            for full, part in zip(got, per_rank[rank][i][0]):
+                full[:, index] = part
+        tolerance = TOLERANCE[dtype]
+        assert_all_close(got, want, tolerance, tolerance, where=f"R={R} {layout} {dtype} window={window}")
+        kv_bytes = 2 * 2 * (24 // R) * 2 * 8 * dtype.itemsize  # k and v: B * L * Hkv * D elements each
+        dkv_bytes = kv_bytes * 4 // min(4, dtype.itemsize)  # their gradients, in float32 or wider
+        expected = {"forward": {"calls": R - 1, "bytes": (R - 1) * kv_bytes},
+                    "backward": {"calls": 2 * R - 1, "bytes": (R - 1) * kv_bytes + R * dkv_bytes}}
+        assert [r[i][1] for r in per_rank] == [expected] * R
+        assert ring.ring_bytes(R, kv_bytes, dkv_bytes) == (expected["forward"]["bytes"], expected["backward"]["bytes"])
+
+
+def _usp_groups(U, R):
+    """(Ulysses group, ring group) of this rank when the world is an SP group of U x R: U consecutive ranks form
+    a Ulysses group, and the ranks at the same place in each Ulysses group a ring."""
+    mesh = init_device_mesh("cpu", (R, U), mesh_dim_names=("ring", "ulysses"))
+    return mesh.get_group("ulysses"), mesh.get_group("ring")
+
+
+def _usp_rank(rank, P, U, R, heads, cases):
+    ring.QUERY_TILE = 5  # several query tiles a block
+    ulysses_group, ring_group = _usp_groups(U, R)
+    S = 24
+    index = ulysses.shard_for_sp(*[torch.arange(S)[None]] * 3, ulysses_group, ring_group)[0][0]  # my global tokens
+    results = []
+    for dtype, window in cases:
+        q, k, v, grad_out = (t.to(dtype)[:, index].requires_grad_() for t in qkv(2, S, *heads, 8))
+        attend = partial(ring.ring_attention, group=ring_group, window=window)
+        out = ulysses.ulysses_attention(q, k, v, ulysses_group, attend)
+        out.backward(grad_out)
+        results.append((index, [out.detach(), q.grad, k.grad, v.grad]))
+    return results
+
+
+@pytest.mark.parametrize("U, R, heads", [(2, 2, (4, 2)), (2, 3, (4, 2)), (4, 1, (4, 2)), (1, 4, (4, 2)),
+                                         (3, 2, (8, 2))])
+def test_ring_usp_matches_one_device(U, R, heads):
+    """Ulysses x Ring on U x R ranks against one device, output and dq, dk, dv: float64 within 1e-12, float32
+    within 1e-5, and a sliding window. 4 query heads and 2 kv heads (with U = 4 each kv head travels to two
+    ranks), and 8 and 2 on U = 3 (uneven: 3, 3, 2 query heads, the middle rank using both kv heads).
+    shard_for_sp gives each rank its tokens in the zigzag order, and every token to exactly one rank."""
+    cases = [(torch.float64, None), (torch.float32, None), (torch.float64, 5)]
+    per_rank = run_ranks(U * R, _usp_rank, U, R, heads, cases)
+    assert sorted(torch.cat([r[0][0] for r in per_rank]).tolist()) == list(range(24))
+    for i, (dtype, window) in enumerate(cases):
+        q, k, v, grad_out = (t.to(dtype) for t in qkv(2, 24, *heads, 8))
+        want = _full_attention(q, k, v, window, grad_out)
+        got = [torch.zeros_like(t) for t in want]
+        for index, parts in (r[i] for r in per_rank):
+            for full, part in zip(got, parts):
+                full[:, index] = part
+        tolerance = TOLERANCE[dtype]
+        assert_all_close(got, want, tolerance, tolerance, where=f"U={U} R={R} heads={heads} {dtype} window={window}")
+
+
+def test_ring_work_is_balanced_by_zigzag():
+    """Causal work per rank (query-key pairs computed): zigzag gives every rank the same, a contiguous split
+    gives the last rank R times the first rank's."""
+    for R in (2, 3, 4, 8):
+        L = 4 * R
+        assert len(set(ring.ring_work(R, L, "zigzag"))) == 1, R
+        contiguous = ring.ring_work(R, L, "contiguous")
+        assert contiguous == sorted(contiguous) and contiguous[-1] == R * contiguous[0], R
+    # zigzag on R ranks: my own block (a causal pair of chunks) and half of each other block
+    assert ring.ring_work(4, 8, "zigzag") == [8 * 8 + 3 * 8 * 4] * 4

@@ -1,0 +1,88 @@
+"""
+Tests of zero3.py against the whole model in one process: on 4 ranks each holds exactly its slice of every
+parameter, gradient and AdamW state, gathered units are freed, and what the ranks hold (zero3.held), put
+together, is the whole model and loads onto 2 ranks exactly.
+"""
+
+import torch
+import torch.distributed as dist
+
+import zero3
+from conftest import assert_all_close, run_ranks, zero_batch
+from gpt import GPT, GPTConfig
+
+
+ZERO_CFG = GPTConfig(vocab_size=255, n_layer=2, n_head=3, n_kv_head=3, n_embd=30)  # on 4 ranks a unit needs padding
+
+
+def _zero3_rank(rank, world_size):
+    torch.manual_seed(0)
+    reference = GPT(ZERO_CFG)
+    idx, position_ids, labels = zero_batch()
+    reference(idx, position_ids, labels)[0].backward()  # the whole batch in one process
+    torch.manual_seed(0)
+    model = GPT(ZERO_CFG)
+    zero = zero3.ZeRO3(model, model.units(), group=dist.group.WORLD)
+    assert list(model.parameters()) == []  # the model keeps no full parameter of its own
+    gathered = []  # after every gather: how many units hold their full parameters
+    for unit in zero.units:
+        def counting_gather(async_op=False, gather=unit.gather):
+            gather(async_op)
+            gathered.append(sum(u.full.untyped_storage().size() > 0 for u in zero.units))
+        unit.gather = counting_gather
+    rows = slice(rank * 8 // world_size, (rank + 1) * 8 // world_size)  # data parallel: my rows of the batch
+    model(idx[rows], position_ids[rows], labels[rows])[0].backward()
+    assert max(gathered) == 2  # the unit computing and the one prefetched, never more
+    for unit, reference_unit in zip(zero.units, reference.units()):
+        params = list(reference_unit.parameters())
+        padding = -sum(p.numel() for p in params) % world_size
+        flat = torch.cat([p.detach().flatten() for p in params] + [torch.zeros(padding)]).view(world_size, -1)
+        flat_grad = torch.cat([p.grad.flatten() for p in params] + [torch.zeros(padding)]).view(world_size, -1)
+        assert torch.equal(unit.shard.detach(), flat[rank])  # exactly my slice, nothing more
+        torch.testing.assert_close(unit.shard.grad, flat_grad[rank], rtol=1e-5, atol=1e-6)  # summed, not averaged
+        assert unit.full.untyped_storage().size() == 0 and unit.full.grad is None  # gathered copy freed
+    optimizer = torch.optim.AdamW(zero.parameters())
+    optimizer.step()
+    assert all(state["exp_avg"].shape == shard.shape for shard, state in optimizer.state.items())
+    assert set(optimizer.state) == set(zero.parameters())
+    with torch.no_grad():
+        logits = model(idx, position_ids)
+    return _cloned(zero3.held(model, optimizer, zero)), zero3.optimizer_scalars(optimizer), logits
+
+
+def _cloned(pieces):
+    return {name: (shape, start, {key: t.clone() for key, t in values.items()})
+            for name, (shape, start, values) in pieces.items()}
+
+
+def _zero3_load_rank(rank, world_size, stored, scalars):
+    torch.manual_seed(123)  # other weights, all overwritten by the load
+    model = GPT(ZERO_CFG)
+    zero = zero3.ZeRO3(model, model.units(), group=dist.group.WORLD)
+    optimizer = torch.optim.AdamW(zero.parameters())
+    zero3.prepare_optimizer(optimizer, ["exp_avg", "exp_avg_sq"], scalars)
+    zero3.load_pieces(zero3.held(model, optimizer, zero), stored)
+    with torch.no_grad():
+        logits = model(*zero_batch()[:2])
+    return _cloned(zero3.held(model, optimizer, zero)), zero3.optimizer_scalars(optimizer), logits
+
+
+def test_zero3_shards_and_checkpoint_pieces():
+    """What 4 ranks hold of the model and of AdamW's state (zero3.held) is the whole model in one process, and
+    loads onto 2 ranks exactly."""
+    four = run_ranks(4, _zero3_rank)
+    stored = [pieces for pieces, _, _ in four]
+    plain = GPT(ZERO_CFG)
+    plain.load_state_dict(zero3.whole(stored))  # held on 4 ranks, whole in one process
+    expected = plain(*zero_batch()[:2])
+    for _, scalars, rank_logits in four:
+        torch.testing.assert_close(rank_logits, expected, rtol=0, atol=1e-5)
+        assert scalars == {"step": 1.0}
+    moments = zero3.whole(stored, "exp_avg")
+    assert {name: t.shape for name, t in moments.items()} == {name: p.shape for name, p in plain.named_parameters()}
+    two = run_ranks(2, _zero3_load_rank, stored, {"step": 1.0})
+    for _, scalars, rank_logits in two:
+        torch.testing.assert_close(rank_logits, expected, rtol=0, atol=1e-5)
+        assert scalars == {"step": 1.0}
+    for key in ("param", "exp_avg", "exp_avg_sq"):
+        assert_all_close(zero3.whole([pieces for pieces, _, _ in two], key), zero3.whole(stored, key), rtol=0, atol=0)
