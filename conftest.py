@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-import train
+import launch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -32,7 +32,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 # Rank processes: run_ranks(world_size, fn, *args) runs fn on every rank of a gloo group
 
 
-def _free_port():
+def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -62,7 +62,7 @@ def run_ranks(world_size, fn, *args):
     """Run fn(rank, world_size, *args) on world_size gloo processes; return the list of what each rank returned.
     fn must be a top-level function of a test file."""
     with tempfile.TemporaryDirectory() as result_dir:
-        mp.start_processes(_worker, args=(world_size, _free_port(), fn, args, result_dir), nprocs=world_size,
+        mp.start_processes(_worker, args=(world_size, free_port(), fn, args, result_dir), nprocs=world_size,
                            start_method="forkserver")
         return [torch.load(os.path.join(result_dir, f"{r}.pt"), weights_only=False) for r in range(world_size)]
 
@@ -81,7 +81,7 @@ def torchrun_patched(tmp_path, patch, argv, timeout=120):
     """train.py's main under torchrun on 2 ranks, after `patch` (Python source) ran on rank 1 alone. Returns
     (exit status, output, seconds)."""
     script = tmp_path / "patched_train.py"
-    script.write_text(f"import os, sys, time\nsys.path.insert(0, {HERE!r})\nimport data, train\n"
+    script.write_text(f"import os, sys, time\nsys.path.insert(0, {HERE!r})\nimport checkpoint, data, train\n"
                       f"if os.environ['RANK'] == '1':\n" + "".join(f"    {line}\n" for line in patch.splitlines())
                       + "train.main()\n")
     start = time.time()
@@ -100,13 +100,19 @@ def start_long_run(tmp_path, extra, timeout=300):
     deadline = time.time() + 90
     while not (out_dir / "step_000010").exists() and time.time() < deadline and launcher.poll() is None:
         time.sleep(0.05)
+    workers = workers_of(launcher.pid)
+    assert len(workers) == 2, "the workers were not found"
+    return launcher, out_dir, workers
+
+
+def workers_of(launcher_pid):
+    """The pids of a torchrun's worker processes (its children), in order."""
     workers = []
     for pid in (p for p in os.listdir("/proc") if p.isdigit()):
         with open(f"/proc/{pid}/stat") as f:
-            if f.read().rsplit(")", 1)[1].split()[1] == str(launcher.pid):
+            if f.read().rsplit(")", 1)[1].split()[1] == str(launcher_pid):
                 workers.append(int(pid))
-    assert len(workers) == 2, "the workers were not found"
-    return launcher, out_dir, sorted(workers)
+    return sorted(workers)
 
 
 # ================================================================================================================
@@ -211,5 +217,5 @@ def pytest_runtest_call(item):
             with capture.global_and_fixture_disabled():
                 reporter.write(f" {time.monotonic() - start:.0f} s", flush=True)
 
-    with train.repeating(tick, 10):
+    with launch.repeating(tick, 10):
         return (yield)

@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import checkpoint
 import train
 from conftest import (SHORT_RUN, assert_all_close, assert_same_training, run_ranks, start_long_run,
                       torchrun_patched)
@@ -51,7 +52,7 @@ def test_resume_on_any_layout(tmp_path, capsys):
     straight, same, *others = run_ranks(4, _resume_rank, four)[0]
     one_process = _resume_rank(0, 1, [(["--batch-size", "8"], str(tmp_path / "one"), written)])[0]
     assert "model and AdamW state carried over" in capsys.readouterr().out
-    model = lambda name: train.checkpoint_weights(tmp_path / name / "step_000040")
+    model = lambda name: checkpoint.weights(tmp_path / name / "step_000040")
     assert [r["loss"] for r in same] == [r["loss"] for r in straight[20:]]  # the same layout: bit for bit
     assert_all_close(model("same"), model("dp2xsp2"), rtol=0, atol=0)
     for name, history in zip(["sp4", "zero0", "fsdp2", "fsdp2_again", "one"], others + [one_process]):
@@ -87,7 +88,7 @@ def test_a_damaged_checkpoint_falls_back_to_the_one_before(tmp_path, monkeypatch
                      rf"it$", printed, re.M), printed
     assert f"resuming from {out_dir / 'step_000003'} after step 3" in printed
     assert [r["loss"] for r in resumed] == [r["loss"] for r in straight[3:]]
-    assert train.verify(out_dir / "step_000006", 0, 1) is None  # written anew over the damaged one
+    assert checkpoint.verify(out_dir / "step_000006", 0, 1) is None  # written anew over the damaged one
 
 
 def test_checkpoints_that_cannot_be_used_are_refused(tmp_path, monkeypatch):
@@ -107,7 +108,7 @@ def test_checkpoints_that_cannot_be_used_are_refused(tmp_path, monkeypatch):
         train.main(SHORT_RUN + ["--out-dir", str(out_dir), "--resume", "--steps", "12"])
     assert [r["step"] for r in train.main(SHORT_RUN + ["--out-dir", str(out_dir), "--resume", "--steps", "7",
                                                        "--new-schedule"])] == [7]
-    with train.lock_out_dir(str(out_dir)):  # another live run
+    with checkpoint.lock_out_dir(str(out_dir)):  # another live run
         with pytest.raises(SystemExit, match=r"--out-dir \S+ is in use by another run \(pid \d+ on \S+\); wait for it "
                                              r"to end, or choose another directory"):
             train.main(SHORT_RUN + ["--out-dir", str(out_dir), "--resume"])
@@ -125,7 +126,7 @@ def test_checkpoints_that_cannot_be_used_are_refused(tmp_path, monkeypatch):
                                          r"copy cut short\); move it out of the directory$"):
         train.main(SHORT_RUN + ["--out-dir", str(out_dir), "--resume"])
     (out_dir / "step_000009").rmdir()
-    for path in train.checkpoints(out_dir):
+    for path in checkpoint.checkpoints(out_dir):
         (out_dir / path / "trainer.pt").write_bytes(b"")
     with pytest.raises(SystemExit, match=r"no checkpoint in --out-dir \S+ passes verification"):
         train.main(SHORT_RUN + ["--out-dir", str(out_dir), "--resume"])
@@ -161,27 +162,27 @@ def test_a_full_disk_says_so(tmp_path, monkeypatch):
                                          r"\(0.0 MiB free\) for shard_00000-of-00001.pt; free some, or keep fewer "
                                          r"checkpoints \(--keep\)$"):
         train.main(SHORT_RUN + ["--out-dir", str(tmp_path / "run")])
-    assert train.checkpoints(tmp_path / "run") == []
+    assert checkpoint.checkpoints(tmp_path / "run") == []
 
 
 def test_a_save_slower_than_the_timeout_completes(tmp_path):
     """A rank that takes 9 s to write its checkpoint files, with --timeout 4: the others wait for it, as no
     collective deadline applies to the writing, and the run completes."""
-    status, output, _ = torchrun_patched(tmp_path, "write_files = train.write_files\n"
-                                          "train.write_files = lambda path, files: time.sleep(9 * any(name.startswith("
+    status, output, _ = torchrun_patched(tmp_path, "write_files = checkpoint.write_files\n"
+                                          "checkpoint.write_files = lambda path, files: time.sleep(9 * any(name.startswith("
                                           "'shard') for name in files)) or write_files(path, files)",
                                           ["--steps", "2", "--n-embd", "32", "--seq-len", "32", "--timeout", "4",
                                            "--out-dir", str(tmp_path / "run")])
     assert status == 0, output[-3000:]
-    assert [os.path.basename(p) for p in train.checkpoints(tmp_path / "run")] == ["step_000002"]
+    assert [os.path.basename(p) for p in checkpoint.checkpoints(tmp_path / "run")] == ["step_000002"]
 
 
 def test_a_rank_that_hangs_while_saving_ends_the_run(tmp_path):
     """A rank stuck in its writing, its heartbeat stopped too: the rank waiting for it names it after --timeout
     seconds and the run fails, rather than waiting for ever."""
     status, output, seconds = torchrun_patched(tmp_path, "import contextlib\n"
-                                                "train.heartbeat = lambda path, every: contextlib.nullcontext()\n"
-                                                "train.write_files = lambda path, files: time.sleep(1000)",
+                                                "checkpoint.heartbeat = lambda path, every: contextlib.nullcontext()\n"
+                                                "checkpoint.write_files = lambda path, files: time.sleep(1000)",
                                                 ["--steps", "2", "--n-embd", "32", "--seq-len", "32", "--timeout", "4",
                                                  "--out-dir", str(tmp_path / "run")])
     assert status != 0 and seconds < 60, output[-3000:]

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-import gpt
+import deltanet
 import ulysses
 from conftest import assert_all_close, grads, packed_batch, run_ranks, sp_slice
 from gpt import GPTConfig
@@ -40,7 +40,7 @@ def test_chunked_gated_delta_rule_equals_the_recurrence(dtype, tolerance, chunk_
     starts[0, [37, 64, 100, 101, 103, 130]] = True  # row 1 is one document
     for documents in (None, starts):
         results = []
-        for kernel in (gpt.gated_delta_rule, partial(gpt.chunk_gated_delta_rule, chunk_size=chunk_size)):
+        for kernel in (deltanet.gated_delta_rule, partial(deltanet.chunk_gated_delta_rule, chunk_size=chunk_size)):
             out = kernel(*inputs, starts=documents)
             results.append([out, *torch.autograd.grad(out, inputs, grad_out)])
         assert_all_close(results[1], results[0], rtol=tolerance, atol=tolerance)
@@ -53,7 +53,7 @@ def test_causal_conv1d_restarts_at_every_document():
     starts[:, bounds[:-1]] = True
     want = torch.cat([F.conv1d(x[:, s:e].transpose(1, 2), weight[:, None], padding=3, groups=6)[..., :e - s]
                       for s, e in zip(bounds, bounds[1:])], dim=2).transpose(1, 2)  # each document alone
-    torch.testing.assert_close(gpt.causal_conv1d(x, weight, starts), want, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(deltanet.causal_conv1d(x, weight, starts), want, rtol=1e-12, atol=1e-12)
 
 
 GDN_CASES = [  # (config, dtype, tolerance): today's shape, and Qwen3-Next's 16 key and 32 value heads scaled down
@@ -71,12 +71,12 @@ def _deltanet_rank(rank, world_size):
     results = []
     for cfg, dtype, _ in GDN_CASES:
         torch.manual_seed(0)
-        layer = gpt.GatedDeltaNet(cfg, group).to(dtype)
+        layer = deltanet.GatedDeltaNet(cfg, group).to(dtype)
         x = torch.randn(2, 24, 32, generator=torch.Generator().manual_seed(1), dtype=dtype)  # (B, S, h)
         for starts in (None, full_positions[:, :24] == 0):
             local = sp_slice(x, rank, world_size).clone().requires_grad_()
             ulysses.reset_all_to_all_stats()
-            out = layer(local, None, None, partial(gpt.gated_delta_net, starts=starts))
+            out = layer(local, None, None, partial(deltanet.gated_delta_net, starts=starts))
             out.backward(sp_slice(torch.cos(x), rank, world_size))  # any fixed gradient
             sent = tuple(ulysses.all_to_all_stats[d]["bytes"] for d in ("forward", "backward"))
             results.append((out.detach(), local.grad, grads(layer), sent, layer.all_to_all_bytes(24 // world_size *
@@ -112,11 +112,11 @@ def test_gated_deltanet_runs_in_float32_under_bf16(monkeypatch):
         seen.extend(t.dtype for t in (q, k, v, g, beta))
         return chunk(q, k, v, g, beta, starts)
 
-    chunk = gpt.chunk_gated_delta_rule
-    monkeypatch.setattr(gpt, "chunk_gated_delta_rule", recording)
-    layer = gpt.GatedDeltaNet(GPTConfig(n_head=4, n_embd=32, gdn_k_heads=2, gdn_v_heads=4, gdn_v_dim=12), None).to(torch.bfloat16)
+    chunk = deltanet.chunk_gated_delta_rule
+    monkeypatch.setattr(deltanet, "chunk_gated_delta_rule", recording)
+    layer = deltanet.GatedDeltaNet(GPTConfig(n_head=4, n_embd=32, gdn_k_heads=2, gdn_v_heads=4, gdn_v_dim=12), None).to(torch.bfloat16)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        out = gpt.gated_delta_net(*(torch.randn(1, 16, h, d, dtype=torch.bfloat16)
+        out = deltanet.gated_delta_net(*(torch.randn(1, 16, h, d, dtype=torch.bfloat16)
                                     for h, d in ((2, 8), (2, 8), (4, 12))),
                                   *(torch.randn(1, 16, 4, 1, dtype=torch.bfloat16) for _ in range(2)),
                                   torch.cat([layer.conv_qk.flatten(0, 2), layer.conv_v.flatten(0, 1)]), layer.A_log,

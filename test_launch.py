@@ -2,22 +2,28 @@
 Tests of what a run does before and around its training: bad flags are refused with one line and no collective;
 under torchrun the line is printed once; an error on one rank stops every rank; a hung rank ends the run within
 --timeout; a non-finite loss stops before the update; --help shows the defaults; a long step says where it is.
+Then two torchrun "nodes" on this machine: a run that fails on one fails on both, non-zero, with its line.
 """
 
+import fcntl
 import io
 import os
 import re
 import signal
 import subprocess
+import sys
 import time
 
 import pytest
 import torch
 import torch.distributed as dist
+from tqdm import tqdm
 
 import bench
+import launch
 import train
-from conftest import HERE, PARAGRAPHS, SHORT_RUN, start_long_run, torchrun, torchrun_patched
+from conftest import (HERE, PARAGRAPHS, SHORT_RUN, free_port, start_long_run, torchrun, torchrun_patched,
+                      workers_of)
 from gpt import GPT, GPTConfig
 
 
@@ -139,8 +145,8 @@ def test_a_long_step_says_where_it_is(monkeypatch):
     """StepProgress: a step that runs for longer than its interval shows the step, its time and the layer on the
     progress bar, forward and backward, and nothing once the step has ended."""
     model = GPT(GPTConfig(n_layer=2, n_embd=32))
-    bar = train.tqdm(total=1, file=io.StringIO(), mininterval=0)
-    progress = train.StepProgress(model, bar, every=0.05)
+    bar = tqdm(total=1, file=io.StringIO(), mininterval=0)
+    progress = launch.StepProgress(model, bar, every=0.05)
     for block in model.blocks:  # slow layers: 0.3 s each, forward and backward
         block.register_forward_pre_hook(lambda *args: time.sleep(0.3))
         next(block.parameters()).register_hook(lambda grad: time.sleep(0.3))
@@ -154,3 +160,75 @@ def test_a_long_step_says_where_it_is(monkeypatch):
     for where in ("layer 1/2 forward", "layer 2/2 forward", "layer 2/2 backward", "layer 1/2 backward"):
         assert re.search(rf"step 5: \d+ s in, {where}", shown), (where, shown)
     assert shown.rstrip().endswith("layer 1/2 backward]")  # the step ended: nothing more
+
+
+# ================================================================================================================
+# two nodes: one torchrun each, as on a cluster; each judges its node by its own workers' exit statuses alone
+
+
+def _two_nodes(tmp_path, argv, after_start=None, timeout=90):
+    """train.py as two torchrun nodes of one rank each on this machine, each started in its own folder (node0,
+    node1), so that a relative path can name a file one node has and the other lacks. after_start(launchers) runs
+    once both are started. Returns [(exit status, output)] by node, and the seconds until both had ended."""
+    port, launchers = free_port(), []
+    for node in (0, 1):
+        (tmp_path / f"node{node}").mkdir(exist_ok=True)
+        launchers.append(subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
+             "--nproc_per_node", "1", "--master-addr", "127.0.0.1", "--master-port", str(port),
+             os.path.join(HERE, "train.py"), "--n-embd", "32", "--seq-len", "32", *argv],
+            cwd=tmp_path / f"node{node}", stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    start = time.time()
+    if after_start:
+        after_start(launchers)
+    outputs = [launcher.communicate(timeout=timeout)[0] for launcher in launchers]
+    return [(launcher.returncode, output) for launcher, output in zip(launchers, outputs)], time.time() - start
+
+
+def test_a_file_missing_on_one_node_fails_both_nodes(tmp_path):
+    """The data file on node 0 alone: rank 1 says so, rank 0 repeats it in node 0's log, both nodes fail."""
+    (tmp_path / "node0").mkdir()
+    (tmp_path / "node0" / "text.txt").write_text(PARAGRAPHS)
+    nodes, seconds = _two_nodes(tmp_path, ["--data", "text.txt", "--steps", "2"])
+    line = "train.py: error: rank 1: --data text.txt: no such file or directory"
+    for status, output in nodes:
+        assert status != 0 and output.count(line) == 1, output[-3000:]
+    assert seconds < 30
+
+
+def test_an_out_dir_in_use_on_one_node_fails_both_nodes(tmp_path):
+    """Another run holds node 0's out-dir: rank 0 says so, and node 1, whose rank found nothing, fails too."""
+    (tmp_path / "node0" / "run").mkdir(parents=True)
+    with open(tmp_path / "node0" / "run" / ".lock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        nodes, seconds = _two_nodes(tmp_path, ["--out-dir", "run", "--steps", "2"])
+    (status0, output0), (status1, _) = nodes
+    assert status0 != 0 and status1 != 0 and seconds < 30, output0[-3000:]
+    assert output0.count("train.py: error: rank 0: --out-dir run is in use by another run") == 1, output0[-3000:]
+
+
+def test_a_flag_mistake_fails_both_nodes(tmp_path):
+    """Every rank finds the mistake; rank 0 prints it, and the rank on node 1 exits non-zero all the same."""
+    nodes, seconds = _two_nodes(tmp_path, ["--lr", "nan"])
+    (status0, output0), (status1, _) = nodes
+    assert status0 != 0 and status1 != 0 and seconds < 30, output0[-3000:]
+    assert output0.count("train.py: error: --lr nan must be a finite number above 0") == 1, output0[-3000:]
+
+
+def test_a_node_killed_mid_run_is_named_by_the_other(tmp_path):
+    """Node 1's process is killed while the run trains: node 0's rank names rank 1 (node 1) as lost and fails,
+    within --timeout."""
+    def kill_node_1_once_training(launchers):
+        deadline = time.time() + 60
+        while not (tmp_path / "node0" / "m.jsonl").exists() and time.time() < deadline:
+            time.sleep(0.1)  # rank 0 opens its --metrics file when training starts
+        time.sleep(1)
+        os.kill(workers_of(launchers[1].pid)[0], signal.SIGKILL)
+
+    nodes, seconds = _two_nodes(tmp_path, ["--steps", "100000", "--metrics", "m.jsonl", "--timeout", "20"],
+                                kill_node_1_once_training)
+    (status0, output0), (status1, _) = nodes
+    assert status0 != 0 and status1 != 0, output0[-3000:]
+    assert re.search(r"train.py: error: rank 0, step \d+: .* failed \(a peer process died, or waited longer than "
+                     r"--timeout 20 s\); lost: rank 1 \(node 1\)", output0), output0[-3000:]
+    assert seconds < 20 + 30

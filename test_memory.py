@@ -11,6 +11,8 @@ import time
 
 import pytest
 
+import launch
+import memory
 import train
 from conftest import HERE, run_ranks, torchrun
 
@@ -30,9 +32,9 @@ def test_memory_prediction_is_within_20_percent(world_size):
     without tiles and recomputation, at 1k and 4k tokens (configurations of the README's memory table)."""
     per_rank = run_ranks(world_size, _memory_rank, MEMORY_RUNS[world_size])
     for argv, peak in zip(MEMORY_RUNS[world_size], map(max, zip(*per_rank))):  # the busiest rank
-        args = train.parse_args(argv + ["--batch-size", "1"])
-        train.check_args(args, world_size)
-        predicted = train.predicted(args, world_size)["peak"]
+        args = launch.parse_args(argv + ["--batch-size", "1"])
+        launch.check_args(args, world_size)
+        predicted = memory.predicted(args, world_size)["peak"]
         assert abs(predicted / peak - 1) < 0.2, (argv, predicted, peak)
 
 
@@ -99,6 +101,6 @@ def test_ring_summary_plan_and_memory(capsys, monkeypatch):
     assert re.match(r"plan: 64 GPUs, sp 64 \(ulysses 8 x ring 8\), seq 1,048,576: fits: ", capsys.readouterr().out)
     argv = ["--sp", "4", "--ring", "2", "--seq-len", "4096", "--batch-size", "1"]
     peak = max(peaks[0] for peaks in run_ranks(4, _memory_rank, [argv]))
-    args = train.parse_args(argv)
-    train.check_args(args, 4)
-    assert abs(train.predicted(args, 4)["peak"] / peak - 1) < 0.2, (train.predicted(args, 4)["peak"], peak)
+    args = launch.parse_args(argv)
+    launch.check_args(args, 4)
+    assert abs(memory.predicted(args, 4)["peak"] / peak - 1) < 0.2, (memory.predicted(args, 4)["peak"], peak)

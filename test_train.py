@@ -16,6 +16,7 @@ import pytest
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+import checkpoint
 import train
 import zero3
 from conftest import HERE, PARAGRAPHS, assert_all_close, assert_same_training, run_ranks, torchrun
@@ -38,8 +39,8 @@ def _train_rank(rank, world_size, runs):
     results = []
     for argv, out_dir in runs:
         history = train.main(argv + (["--out-dir", out_dir] if out_dir else []))
-        final = train.newest_checkpoint(out_dir) if out_dir else None
-        results.append((history, train.checkpoint_weights(final) if final else None))
+        final = checkpoint.newest(out_dir) if out_dir else None
+        results.append((history, checkpoint.weights(final) if final else None))
     return results
 
 
@@ -151,7 +152,7 @@ def test_bf16_training_matches_one_device(tmp_path):
         argv + ["--batch-size", "8", "--dtype", "float32", "--out-dir", out_dir, "--resume", "--steps", "12",
                 "--new-schedule"]])[0]
     assert received == {(torch.float32, torch.float32)}
-    saved = train.checkpoint_weights(os.path.join(out_dir, "step_000010"))
+    saved = checkpoint.weights(os.path.join(out_dir, "step_000010"))
     assert {t.dtype for t in saved.values()} == {torch.float32}
     assert "carried over" in printed and [r["step"] for r in resumed] == [11, 12]
     layouts = {"dp2xsp2 zero3": ["--sp", "2", "--batch-size", "4"], "sp4 fsdp2": ["--sp", "4", "--zero", "fsdp2"]}

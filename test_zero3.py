@@ -1,12 +1,13 @@
 """
 Tests of zero3.py against the whole model in one process: on 4 ranks each holds exactly its slice of every
-parameter, gradient and AdamW state, gathered units are freed, and what the ranks hold (zero3.held), put
+parameter, gradient and AdamW state, gathered units are freed, and what the ranks hold (checkpoint.held), put
 together, is the whole model and loads onto 2 ranks exactly.
 """
 
 import torch
 import torch.distributed as dist
 
+import checkpoint
 import zero3
 from conftest import assert_all_close, run_ranks, zero_batch
 from gpt import GPT, GPTConfig
@@ -47,7 +48,7 @@ def _zero3_rank(rank, world_size):
     assert set(optimizer.state) == set(zero.parameters())
     with torch.no_grad():
         logits = model(idx, position_ids)
-    return _cloned(zero3.held(model, optimizer, zero)), zero3.optimizer_scalars(optimizer), logits
+    return _cloned(checkpoint.held(model, optimizer, zero)), checkpoint.optimizer_scalars(optimizer), logits
 
 
 def _cloned(pieces):
@@ -60,29 +61,29 @@ def _zero3_load_rank(rank, world_size, stored, scalars):
     model = GPT(ZERO_CFG)
     zero = zero3.ZeRO3(model, model.units(), group=dist.group.WORLD)
     optimizer = torch.optim.AdamW(zero.parameters())
-    zero3.prepare_optimizer(optimizer, ["exp_avg", "exp_avg_sq"], scalars)
-    zero3.load_pieces(zero3.held(model, optimizer, zero), stored)
+    checkpoint.prepare_optimizer(optimizer, ["exp_avg", "exp_avg_sq"], scalars)
+    checkpoint.load_pieces(checkpoint.held(model, optimizer, zero), stored)
     with torch.no_grad():
         logits = model(*zero_batch()[:2])
-    return _cloned(zero3.held(model, optimizer, zero)), zero3.optimizer_scalars(optimizer), logits
+    return _cloned(checkpoint.held(model, optimizer, zero)), checkpoint.optimizer_scalars(optimizer), logits
 
 
 def test_zero3_shards_and_checkpoint_pieces():
-    """What 4 ranks hold of the model and of AdamW's state (zero3.held) is the whole model in one process, and
+    """What 4 ranks hold of the model and of AdamW's state (checkpoint.held) is the whole model in one process, and
     loads onto 2 ranks exactly."""
     four = run_ranks(4, _zero3_rank)
     stored = [pieces for pieces, _, _ in four]
     plain = GPT(ZERO_CFG)
-    plain.load_state_dict(zero3.whole(stored))  # held on 4 ranks, whole in one process
+    plain.load_state_dict(checkpoint.whole(stored))  # held on 4 ranks, whole in one process
     expected = plain(*zero_batch()[:2])
     for _, scalars, rank_logits in four:
         torch.testing.assert_close(rank_logits, expected, rtol=0, atol=1e-5)
         assert scalars == {"step": 1.0}
-    moments = zero3.whole(stored, "exp_avg")
+    moments = checkpoint.whole(stored, "exp_avg")
     assert {name: t.shape for name, t in moments.items()} == {name: p.shape for name, p in plain.named_parameters()}
     two = run_ranks(2, _zero3_load_rank, stored, {"step": 1.0})
     for _, scalars, rank_logits in two:
         torch.testing.assert_close(rank_logits, expected, rtol=0, atol=1e-5)
         assert scalars == {"step": 1.0}
     for key in ("param", "exp_avg", "exp_avg_sq"):
-        assert_all_close(zero3.whole([pieces for pieces, _, _ in two], key), zero3.whole(stored, key), rtol=0, atol=0)
+        assert_all_close(checkpoint.whole([pieces for pieces, _, _ in two], key), checkpoint.whole(stored, key), rtol=0, atol=0)

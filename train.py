@@ -10,6 +10,11 @@ Train a small GPT with Ulysses sequence parallelism (SP), data parallelism (DP) 
     python train.py --data input.txt                            # any text file, as bytes (vocab 256)
     torchrun --standalone --nproc_per_node=4 --max-restarts=1 train.py --out-dir runs/ckpt --save-every 50
 
+This file is the run, top to bottom: flags, process groups and mesh, data, model and sharding, optimizer, resume,
+the loop, the summary. Each service is one call into the file that owns it: launch.py (the flags and their checks,
+the process groups, errors every rank agrees on), data.py, gpt.py, zero3.py, checkpoint.py, memory.py.
+`python train.py --help` lists every flag with its default.
+
 The default data (data.py) is a copy task: random tokens followed by the same tokens again, and only the copy is
 scored. Under SP the copy lives on other ranks than the original, so the task cannot be learned unless attention
 really crosses the sequence shards.
