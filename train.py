@@ -19,21 +19,25 @@ The default data (data.py) is a copy task: random tokens followed by the same to
 scored. Under SP the copy lives on other ranks than the original, so the task cannot be learned unless attention
 really crosses the sequence shards.
 
-One optimizer step, on every rank of the dp x sp mesh (the code cites these numbers; steps 2, 3, 4 and 5-6 are
-rules 1, 2, 3 and 4 of ulysses.py):
-  1. each DP rank draws its own micro-batches of full sequences; the sp ranks of an SP group draw the same ones;
-  2. the labels are shifted by one before any sharding (a shard's last label is the next shard's first token);
-  3. sequences are padded at the end to a multiple of sp (label -100), and SP rank r keeps tokens
-     [r*S/sp, (r+1)*S/sp) with their GLOBAL position ids (ulysses.shard_for_sp; with --ring, the zigzag order);
-  4. forward on the local tokens: embeddings, norms, MLP and loss per token, attention through two all-to-alls
-     per layer (ulysses.ulysses_attention);
-  5. loss = this rank's SUM of token losses / the valid tokens of the WHOLE global batch, all dp x sp ranks and
-     micro-steps (ulysses.global_valid_tokens); a batch without valid tokens gives 0, never NaN;
-  6. backward; gradients are SUMMED over all dp x sp ranks (ZeRO-3 reduce-scatters with SUM). With step 5 this
-     is exactly the gradient one device would compute on the global batch: no 1/sp or 1/dp factor anywhere;
+One optimizer step, on every rank of the dp x sp mesh. The code cites these step numbers; "rule N" is ulysses.py's.
+  1. each DP rank draws its own micro-batches of full sequences; the sp ranks of an SP group draw the same ones
+     (load_micro_batch);
+  2. (rule 1) the labels are shifted by one before any sharding: a shard's last label is the next shard's first
+     token (data.make_sample);
+  3. (rule 2) sequences are padded at the end to S_pad, a multiple of sp (label -100), and SP rank r keeps tokens
+     [r*S_pad/sp, (r+1)*S_pad/sp) with their GLOBAL position ids (ulysses.shard_for_sp; with --ring, the zigzag
+     order);
+  4. (rule 3) forward on the local tokens: embeddings, norms, MLP and loss per token, attention through two
+     all-to-alls per layer (gpt.py calls ulysses.ulysses_attention); the model returns the SUM of its token
+     losses;
+  5. (rule 4) loss = that sum / the valid tokens of the WHOLE global batch, all dp x sp ranks and micro-steps
+     (ulysses.global_valid_tokens); a batch without valid tokens gives 0, never NaN;
+  6. (rule 4) backward; gradients are SUMMED over all dp x sp ranks (ZeRO-3 reduce-scatters with SUM). With step
+     5 this is exactly the gradient one device would compute on the global batch: no 1/sp or 1/dp factor;
   7. clip by the global gradient norm; sum the loss and accuracy of the global batch for the log (a non-finite
      loss stops the run here, before the update); AdamW updates this rank's shard; the next forward gathers
      the new weights.
+A plain `python train.py` is a process group of one, so the same collectives run (on one rank, they copy).
 """
 
 import json
@@ -121,8 +125,7 @@ def train(args, world_size, mesh, device, documents, resume_from, control):
     if rank == 0:
         usp = f" (ulysses {args.sp // args.ring} x ring {args.ring})" if args.ring > 1 else ""
         print(f"world {world_size} = dp {dp} x sp {args.sp}{usp} | zero {args.zero} | {n_params / 1e6:.2f}M parameters "
-              f"| "
-              f"seq {args.seq_len} | global batch {dp * args.batch_size * args.grad_accum} sequences | {device} | "
+              f"| seq {args.seq_len} | global batch {dp * args.batch_size * args.grad_accum} sequences | {device} | "
               f"{args.dtype} | predicted peak {memory.predicted(args, world_size)['peak'] / 2**20:,.2f} MiB per rank")
         if documents is not None:
             samples = args.steps * dp * args.batch_size * args.grad_accum
@@ -173,14 +176,14 @@ def train_step(step, micro_batches, model, zero, optimizer, args):
     lr), the first three for the whole global batch. Leaves the gradients in place (the caller may count them)."""
     device = micro_batches[0][0].device
     optimizer.zero_grad(set_to_none=True)
-    # step 5: every micro-batch's loss sum is divided by the valid tokens of the whole global batch
+    # step 5 needs the valid tokens of the whole global batch before the first micro-batch's backward
     valid = ulysses.global_valid_tokens([labels for _, labels, _ in micro_batches], dist.group.WORLD)
     loss_sum = correct = 0
     for inputs, labels, position_ids in micro_batches:
-        # mixed precision: matmuls and attention in bf16, the rest in float32 (gpt.py says where that is forced)
+        # step 4; mixed precision: matmuls and attention in bf16, the rest in float32 (gpt.py says where)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.dtype == "bfloat16"):
             micro_loss_sum, micro_correct = model(inputs, position_ids, labels, packed=args.pack)
-        (micro_loss_sum / valid).backward()
+        (micro_loss_sum / valid).backward()  # step 5, and the backward of step 6
         loss_sum, correct = loss_sum + micro_loss_sum.detach(), correct + micro_correct
     # step 6: gradients are summed over all dp x sp ranks. ZeRO-3 and FSDP2 reduce-scatter them with SUM during
     # backward; without them, one all-reduce here.
@@ -198,8 +201,8 @@ def train_step(step, micro_batches, model, zero, optimizer, args):
     dist.all_reduce(totals)
     loss, accuracy = (totals / valid).tolist()
     if not (math.isfinite(loss) and math.isfinite(grad_norm)):  # every rank sees the same, so all stop
-        launch.fail(f"step {step + 1}: loss {loss}, gradient norm {grad_norm}; stopped before the update, so the last "
-             f"checkpoint stays the last good one")
+        launch.fail(f"step {step + 1}: loss {loss}, gradient norm {grad_norm}; stopped before the update, so the "
+                    f"last checkpoint stays the last good one")
     lr = lr_at(step, args)
     for group in optimizer.param_groups:
         group["lr"] = lr
@@ -216,7 +219,7 @@ def lr_at(step, args):
 
 
 def load_micro_batch(args, documents, step, micro, dp, dp_rank, sp_groups, device):
-    """Steps 1-3: this DP rank's full sequences of one micro-step (labels shifted by data.make_sample), then this
+    """Steps 1 to 3: this DP rank's full sequences of one micro-step (labels shifted by data.make_sample), then this
     SP rank's shard of them: input ids, labels and global position ids, [batch_size, S_pad/sp] each (with a ring,
     in the zigzag order). sp_groups: (Ulysses group, ring group)."""
     indices = data.micro_batch_indices(step, micro, args.grad_accum, dp_rank, dp, args.batch_size)

@@ -10,6 +10,8 @@ any ordinary attention kernel on it, and a second all-to-all trades back.
     tokens r, all heads  ------------->  all tokens, heads r  --attn-->  ------------->  tokens r, all heads
     [B, S/P, H, D]       seq_to_heads       [B, S, H_r, D]              heads_to_seq      [B, S/P, H, D]
 
+H_r is the number of heads rank r holds: H/P when P divides H, else H // P or one more (`head_layout`).
+
 Each rank sends (P-1)/P of its local tensor, so the bytes each rank sends stay constant when P grows with S
 (Megatron-style SP all-gathers the full activation instead). The backward of an all-to-all is the opposite
 all-to-all, so training costs the same traffic again.
