@@ -403,25 +403,43 @@ def restore(checkpoint, model, zero, optimizer):
     return trainer["step"]
 
 
-def open_metrics(args, start_step):
-    """The --metrics file, or None. A resumed run keeps the lines up to its checkpoint and writes the rest anew;
-    lines that are not whole records (a blank line, one cut short by a full disk) are dropped, and counted."""
-    if not args.metrics:
-        return None
-    kept, dropped = [], 0
-    if start_step and os.path.exists(args.metrics):
-        with open(args.metrics) as f:
-            for line in f:
-                try:
-                    record = json.loads(line)
-                    kept += [line] if record["step"] <= start_step else []
-                except (ValueError, TypeError, KeyError):
-                    dropped += 1
-    if dropped:
-        print(f"note: --metrics {args.metrics}: dropped {dropped} line(s) that were not whole records")
-    metrics = open(args.metrics, "w")
-    metrics.writelines(kept)
-    return metrics
+class Metrics:
+    """The --metrics file, which rank 0 writes: one JSON line per optimizer step. A resumed run keeps the lines up
+    to its checkpoint and writes the rest anew; lines that are not whole records (a blank line, one cut short by a
+    full disk) are dropped, and counted. A write that fails (a full disk, a file that takes no writes) is one line
+    naming the file and the reason."""
+
+    def __init__(self, path, start_step):
+        self.path, kept, dropped = path, [], 0
+        if start_step and os.path.exists(path):
+            with open(path) as f:
+                for line in f:
+                    try:
+                        record = json.loads(line)
+                        kept += [line] if record["step"] <= start_step else []
+                    except (ValueError, TypeError, KeyError):
+                        dropped += 1
+        if dropped:
+            print(f"note: --metrics {path}: dropped {dropped} line(s) that were not whole records")
+        try:
+            self.file = open(path, "w")
+            self.file.writelines(kept)
+            self.file.flush()
+        except OSError as e:
+            self.failed(e)
+
+    def write(self, record):
+        try:
+            print(json.dumps(record), file=self.file, flush=True)
+        except OSError as e:
+            self.failed(e)
+
+    def failed(self, error):
+        fail(f"--metrics {self.path}: cannot write it ({error.strerror})", alike=False)
+
+    def close(self):
+        with suppress(OSError):  # what could not be written was said when it failed
+            self.file.close()
 
 
 # ----------------------------------------------------------------------------------------------------------------

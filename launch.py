@@ -26,6 +26,8 @@ import argparse
 import datetime
 import math
 import os
+import signal
+import sys
 import threading
 import time
 import traceback
@@ -59,9 +61,17 @@ def fail(message, alike=True):
 
 @contextmanager
 def one_line_errors():
-    """Turn a Mistake into its line and exit status 1, on every rank. A rank that prints nothing waits a moment
-    before it exits, so that one torchrun, which stops every worker as soon as one fails, lets the line out."""
+    """Turn a Mistake into its line and exit status 1, on every rank, and SIGINT (Ctrl-C) or SIGTERM into one line
+    and exit status 128 + the signal's number. A rank that prints nothing waits a moment before it exits, so that
+    one torchrun, which stops every worker as soon as one fails, lets the line out."""
     rank = int(os.environ.get("RANK", 0))
+
+    def stopped(signum, frame):
+        # at once, and without the cleanup a normal exit does, which could wait on peers that are already gone; a
+        # checkpoint being written stays a .tmp directory, which is never taken for a complete one
+        print(f"train.py: error: rank {rank}: stopped by {signal.Signals(signum).name}", file=sys.stderr, flush=True)
+        os._exit(128 + signum)
+    before = {signum: signal.signal(signum, stopped) for signum in (signal.SIGINT, signal.SIGTERM)}
     try:
         yield
     except Mistake as e:
@@ -69,10 +79,24 @@ def one_line_errors():
             time.sleep(2)
             raise SystemExit(1) from None
         raise SystemExit(f"train.py: error: {'' if e.alike else f'rank {rank}: '}{e}") from None
+    finally:
+        for signum, handler in before.items():
+            signal.signal(signum, handler)
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # 1. the flags, checked on every rank alone (train.py's command line)
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse, whose mistakes (an unknown flag, a value of the wrong type) rank 0 alone prints; every rank exits
+    2, as argparse does."""
+
+    def error(self, message):
+        if int(os.environ.get("RANK", 0)) == 0:
+            super().error(message)
+        time.sleep(2)  # let rank 0's line out before torchrun stops every worker
+        raise SystemExit(2)
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -84,7 +108,7 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description="Ulysses sequence-parallel GPT training", allow_abbrev=False,
+    p = Parser(description="Ulysses sequence-parallel GPT training", allow_abbrev=False,
                                 formatter_class=HelpFormatter)
     p.add_argument("--sp", type=int, help="sequence-parallel size (default: every rank); dp = world size / sp")
     p.add_argument("--ring", type=int, default=1, help="ring degree R: each SP group of --sp ranks is a ring of R "
@@ -160,6 +184,8 @@ def check_args(args, world_size):
         if not (math.isfinite(value) and (value >= 0 if zero_allowed else value > 0)):
             fail(f"--{name.replace('_', '-')} {value:g} must be a finite number "
                  f"{'of 0 or more' if zero_allowed else 'above 0'}")
+    if args.timeout < 1:  # setting up the process group alone takes longer
+        fail(f"--timeout {args.timeout:g} must be at least 1 second")
     if args.timeout > WEEK:  # a collective's deadline is a timedelta, which ends at 1e9 days; nobody waits a week
         fail(f"--timeout {args.timeout:g} must be at most {WEEK} seconds (a week)")
     if not 0 <= args.seed < 2**32:
@@ -256,12 +282,15 @@ def process_groups(args, world_size):
                                     device_id=device if device.type == "cuda" else None)
         else:  # plain `python train.py`: a group of one
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
-    mesh = init_device_mesh(device.type, (world_size // args.sp, args.ring, args.sp // args.ring),
-                            mesh_dim_names=("dp", "ring", "ulysses"))
-    # mesh ranks = arange(world).view(dp, ring, ulysses): an SP group is sp consecutive ranks, a Ulysses group
-    # sp/ring consecutive ranks (the fastest links), and a ring the ranks at the same place in each Ulysses group
     control = dist.new_group(backend="gloo", timeout=datetime.timedelta(days=1))
     try:
+        # the flags shape every collective to come, so the ranks compare them first (paths may differ by machine)
+        same_everywhere(control, {f"--{name.replace('_', '-')}": value for name, value in vars(args).items()
+                                  if name not in ("data", "metrics", "out_dir")})
+        mesh = init_device_mesh(device.type, (world_size // args.sp, args.ring, args.sp // args.ring),
+                                mesh_dim_names=("dp", "ring", "ulysses"))
+        # mesh ranks = arange(world).view(dp, ring, ulysses): an SP group is sp consecutive ranks, a Ulysses group
+        # sp/ring consecutive ranks (the fastest links), and a ring the ranks at the same place in each Ulysses group
         with pulse(dist.get_rank()):
             yield device, mesh, control
     finally:
@@ -329,6 +358,19 @@ def stop_on(problems, rank):
             raise SystemExit(f"train.py: error: rank {first}: {problems[first]}")
         time.sleep(2)  # let the line out before torchrun stops every worker
         raise SystemExit(1)
+
+
+def same_everywhere(control, values):
+    """Stop every rank unless `values`, {what: value}, are the same on every rank: nodes started by hand with other
+    flags, or a stale copy of the data on one node, would otherwise fail in a collective far from the cause, or
+    train silently wrong. One small all-gather."""
+    everyone = gathered(control, values)
+    for what in values:
+        differ = [r for r, theirs in enumerate(everyone) if theirs[what] != everyone[0][what]]
+        if differ:
+            fail(f"the ranks disagree on {what}: rank 0 has {everyone[0][what]}, rank {differ[0]} has "
+                 f"{everyone[differ[0]][what]} (ranks {differ} differ from rank 0); start every rank with the same "
+                 f"flags and data")
 
 
 # ----------------------------------------------------------------------------------------------------------------

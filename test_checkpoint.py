@@ -151,6 +151,28 @@ def test_metrics_lines_cut_short_are_dropped_on_resume(tmp_path, monkeypatch, ca
     assert [json.loads(line)["step"] for line in metrics.read_text().splitlines()] == [1, 2, 4, 5, 6]
 
 
+@pytest.mark.parametrize("path, reason", [("/dev/full", "No space left on device"),
+                                          ("/proc/version", "Input/output error")], ids=["full", "read-only"])
+def test_a_metrics_file_that_takes_no_writes_is_one_line(path, reason):
+    """--metrics on a full disk, or on a file that takes no writes: one line naming the file and the reason."""
+    with pytest.raises(SystemExit, match=rf"^train.py: error: rank 0: --metrics {path}: cannot write it "
+                                         rf"\({reason}\)$"):
+        train.main(SHORT_RUN[:2] + SHORT_RUN[4:] + ["--metrics", path])
+    assert not dist.is_initialized()
+
+
+def test_a_signal_leaves_no_checkpoint_that_looks_complete(tmp_path):
+    """SIGTERM to one rank while the run saves every 10 steps: that rank says so in one line, the run fails, and
+    every checkpoint left without .tmp is complete and verifies."""
+    launcher, out_dir, workers = start_long_run(tmp_path, [])
+    os.kill(workers[1], signal.SIGTERM)
+    output, _ = launcher.communicate(timeout=60)
+    assert launcher.returncode != 0 and output.count("train.py: error: rank 1: stopped by SIGTERM") == 1, output[-3000:]
+    assert 'train.py", line' not in output  # no traceback of ours
+    assert checkpoint.checkpoints(out_dir, complete=False) == []
+    assert all(checkpoint.verify(path, 0, 1) is None for path in checkpoint.checkpoints(out_dir))
+
+
 def test_a_full_disk_says_so(tmp_path, monkeypatch):
     """torch.save on a full disk fails in its zip writer ("unexpected pos ..."); the line says the disk is full."""
     monkeypatch.setenv("WORLD_SIZE", "1")

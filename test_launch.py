@@ -63,6 +63,7 @@ from gpt import GPT, GPTConfig
     (1, ["--warmup", "-2"], r"--warmup -2 must be at least 0"),
     (1, ["--keep", "-1"], r"--keep -1 must be at least 0"),
     (1, ["--timeout", "1e20"], r"--timeout 1e\+20 must be at most 604800 seconds \(a week\)"),
+    (1, ["--timeout", "1e-7"], r"--timeout 1e-07 must be at least 1 second"),
     (1, ["--seed", str(10**16)], r"--seed 10000000000000000 must be in \[0, 2\*\*32\)"),
     (1, ["--metrics", "{tmp}"], r"--metrics \S+ is a directory; give a file name, e.g. \S+metrics.jsonl"),
     (1, ["--data", "{one_paragraph}", "--pack"], r"has no blank line between paragraphs, so --pack would make one "
@@ -166,17 +167,18 @@ def test_a_long_step_says_where_it_is(monkeypatch):
 # two nodes: one torchrun each, as on a cluster; each judges its node by its own workers' exit statuses alone
 
 
-def _two_nodes(tmp_path, argv, after_start=None, timeout=90):
+def _two_nodes(tmp_path, argv, after_start=None, timeout=90, node_argv=((), ())):
     """train.py as two torchrun nodes of one rank each on this machine, each started in its own folder (node0,
-    node1), so that a relative path can name a file one node has and the other lacks. after_start(launchers) runs
-    once both are started. Returns [(exit status, output)] by node, and the seconds until both had ended."""
+    node1), so that a relative path can name a file one node has and the other lacks; node_argv: flags of each node
+    alone. after_start(launchers) runs once both are started. Returns [(exit status, output)] by node, and the
+    seconds until both had ended."""
     port, launchers = free_port(), []
     for node in (0, 1):
         (tmp_path / f"node{node}").mkdir(exist_ok=True)
         launchers.append(subprocess.Popen(
             [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
              "--nproc_per_node", "1", "--master-addr", "127.0.0.1", "--master-port", str(port),
-             os.path.join(HERE, "train.py"), "--n-embd", "32", "--seq-len", "32", *argv],
+             os.path.join(HERE, "train.py"), "--n-embd", "32", "--seq-len", "32", *argv, *node_argv[node]],
             cwd=tmp_path / f"node{node}", stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     start = time.time()
     if after_start:
@@ -232,3 +234,43 @@ def test_a_node_killed_mid_run_is_named_by_the_other(tmp_path):
     assert re.search(r"train.py: error: rank 0, step \d+: .* failed \(a peer process died, or waited longer than "
                      r"--timeout 20 s\); lost: rank 1 \(node 1\)", output0), output0[-3000:]
     assert seconds < 20 + 30
+
+
+@pytest.mark.parametrize("node_argv, what", [((["--seq-len", "32"], ["--seq-len", "64"]), r"--seq-len: rank 0 has 32, "
+                                              r"rank 1 has 64"),
+                                             ((["--data", "text.txt"],) * 2, r"the bytes of --data \(SHA-256\)")],
+                         ids=["flags", "stale-data"])
+def test_nodes_that_disagree_are_refused(tmp_path, node_argv, what):
+    """Two nodes started with different flags, or whose data files hold different bytes (a stale copy on one):
+    every rank stops before training, with one line naming what differs."""
+    for node, text in enumerate((PARAGRAPHS, PARAGRAPHS.replace("paragraph 3", "paragraph three"))):
+        (tmp_path / f"node{node}").mkdir()
+        (tmp_path / f"node{node}" / "text.txt").write_text(text)
+    nodes, seconds = _two_nodes(tmp_path, ["--steps", "2"], node_argv=node_argv)
+    (status0, output0), (status1, _) = nodes
+    assert status0 != 0 and status1 != 0 and seconds < 30, output0[-3000:]
+    assert len(re.findall(rf"train.py: error: the ranks disagree on {what}", output0)) == 1, output0[-3000:]
+
+
+def test_ctrl_c_ends_every_rank_with_one_line(tmp_path):
+    """Ctrl-C at a terminal sends SIGINT to torchrun and its workers: each rank ends at once with one line, and no
+    traceback of ours."""
+    launcher = subprocess.Popen(torchrun(2) + ["--steps", "100000", "--n-embd", "32", "--seq-len", "32",
+                                               "--metrics", str(tmp_path / "m.jsonl")],
+                                cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True)
+    deadline = time.time() + 60
+    while not (tmp_path / "m.jsonl").exists() and time.time() < deadline:
+        time.sleep(0.1)  # training has started
+    os.killpg(launcher.pid, signal.SIGINT)
+    output, _ = launcher.communicate(timeout=30)
+    assert launcher.returncode != 0, output[-3000:]
+    for rank in (0, 1):
+        assert output.count(f"train.py: error: rank {rank}: stopped by SIGINT") == 1, output[-3000:]
+    assert 'train.py", line' not in output and "KeyboardInterrupt" not in output
+
+
+def test_torchrun_shows_a_flag_it_does_not_know_once():
+    done = subprocess.run(torchrun(4) + ["--no-such-flag"], cwd=HERE, capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
+    assert (done.stdout + done.stderr).count("unrecognized arguments: --no-such-flag") == 1

@@ -40,7 +40,6 @@ One optimizer step, on every rank of the dp x sp mesh. The code cites these step
 A plain `python train.py` is a process group of one, so the same collectives run (on one rank, they copy).
 """
 
-import json
 import math
 import os
 import time
@@ -71,7 +70,8 @@ def main(argv=None):
         launch.check_args(args, world_size)  # the flags alone: every rank finds the same mistake, before any wait
         with launch.process_groups(args, world_size) as (device, mesh, control):
             # what depends on this machine (files, free memory) may differ between ranks: they agree before going on
-            documents = launch.agreed(control, partial(prepare, args, rank, world_size))
+            documents, data_sha256 = launch.agreed(control, partial(prepare, args, rank, world_size))
+            launch.same_everywhere(control, {"the bytes of --data (SHA-256)": data_sha256})  # a stale copy?
             # rank 0 alone holds the out-dir for this run
             lock = launch.agreed(control, lambda: checkpoint.lock_out_dir(args.out_dir) if rank == 0 and args.out_dir
                                  else None)
@@ -85,7 +85,7 @@ def main(argv=None):
 
 def prepare(args, rank, world_size):
     """What each rank checks on its own machine before the run: the memory, the data, the folders it writes
-    into. Returns the documents of --data (None: the copy task)."""
+    into. Returns the documents of --data (None: the copy task) and the SHA-256 of its bytes."""
     memory.check_memory(args, world_size)  # a run that cannot fit is refused before it allocates anything
     try:
         documents = None if args.data is None else data.read_documents(args.data, args.pack, args.seq_len)
@@ -98,7 +98,7 @@ def prepare(args, rank, world_size):
         checkpoint.make_folder("--metrics", os.path.dirname(os.path.abspath(args.metrics)))
     if args.out_dir is not None:
         checkpoint.make_folder("--out-dir", args.out_dir)
-    return documents
+    return documents, args.data and checkpoint.sha256(args.data)
 
 
 def train(args, world_size, mesh, device, documents, resume_from, control):
@@ -132,7 +132,8 @@ def train(args, world_size, mesh, device, documents, resume_from, control):
             print(f"data {args.data}: {data.describe(documents, args.pack, args.seq_len, samples)}")
 
     peak = memory.PeakMemory(model, optimizer, zero, device)
-    metrics = checkpoint.open_metrics(args, start_step) if rank == 0 else None
+    metrics = launch.agreed(control, lambda: checkpoint.Metrics(args.metrics, start_step) if rank == 0 and args.metrics
+                            else None)  # rank 0 writes it
     history = []
     ulysses.reset_all_to_all_stats()
     ring.reset_ring_stats()
@@ -156,7 +157,7 @@ def train(args, world_size, mesh, device, documents, resume_from, control):
                             "seconds": seconds, "accuracy": accuracy, **({"peak_bytes": peak.bytes} if measured else {})})
             bar.set_postfix(loss=f"{loss:.4f}", acc=f"{accuracy:.3f}", tok_s=f"{tokens / seconds:.0f}")
             if metrics:
-                print(json.dumps(history[-1]), file=metrics, flush=True)
+                metrics.write(history[-1])
             if args.out_dir and (step + 1 == args.steps or args.save_every and (step + 1) % args.save_every == 0):
                 checkpoint.save(args, step + 1, model, zero, optimizer, world_size, rank)
     except RuntimeError as e:
