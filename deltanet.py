@@ -122,7 +122,8 @@ def chunk_gated_delta_rule(q, k, v, g, beta, starts=None, chunk_size=64, initial
     """
     B, S, H, Dk = q.shape
     Dv = v.shape[-1]
-    C, n = chunk_size, -(-S // chunk_size)  # n chunks; the last is padded with tokens that change nothing
+    C = min(chunk_size, S)  # a short sequence is one chunk of its own length
+    n = -(-S // C)  # n chunks; the last is padded with tokens that change nothing
 
     def chunked(x):  # (B, S, H, ...) -> (B, H, n, C, ...)
         x = F.pad(x.transpose(1, 2), (0, 0) * (x.dim() - 3) + (0, n * C - S))
