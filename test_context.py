@@ -10,6 +10,9 @@ import torch
 import torch.nn.functional as F
 
 import deltanet
+import launch
+import memory
+import train
 import ulysses
 from gpt import GPTConfig
 from test_ulysses import (GDN_SHAPE, TRAIN_ARGS, _assert_same_training, _bf16_rank, _delta_rule_inputs, _train_rank,
@@ -130,3 +133,20 @@ def test_context_bf16_training_matches_one_bf16_process():
     sent = re.search(r"context-parallel Gated DeltaNet of rank 0 per step: ([\d,]+) bytes sent \(formula ([\d,]+) "
                      r"bytes\)", printed)
     assert sent and sent.group(1) == sent.group(2) != "0", printed
+
+
+def _memory_rank(rank, world_size, argv):
+    return train.main(argv + ["--steps", "2", "--batch-size", "1"])[-1]["peak_bytes"]
+
+
+@pytest.mark.parametrize("world_size, argv", [(4, ["--sp", "4"]), (4, ["--sp", "4", "--ring", "2"])],
+                         ids=["sp4", "ulysses2xring2"])
+def test_context_memory_prediction_is_within_20_percent(world_size, argv):
+    """memory.predict_memory counts what the context way keeps: within 20% of the measured peak of the busiest
+    rank, as for the other layouts (test_memory_prediction_is_within_20_percent)."""
+    argv += ["--layer-pattern", "ddda", "--gdn-parallel", "context", "--seq-len", "4096"]
+    peak = max(run_ranks(world_size, _memory_rank, argv))
+    args = launch.parse_args(argv + ["--batch-size", "1"])
+    launch.check_args(args, world_size)
+    predicted = memory.predicted(args, world_size)["peak"]
+    assert abs(predicted / peak - 1) < 0.2, (predicted, peak)
