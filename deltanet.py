@@ -381,7 +381,8 @@ class GatedDeltaNet(nn.Module):
     def __init__(self, cfg, sp_group, ring_group=None):
         super().__init__()
         Hk, Hv, Dk, Dv = cfg.gdn_k_heads, cfg.gdn_v_heads, cfg.gdn_k_dim, cfg.gdn_v_dim
-        self.dims, self.sp_group, self.ring_group, self.parallel = (Hk, Hv, Dk, Dv), sp_group, ring_group, cfg.gdn_parallel
+        self.dims, self.sp_group, self.ring_group = (Hk, Hv, Dk, Dv), sp_group, ring_group
+        self.parallel = cfg.gdn_parallel  # "ulysses" or "context"
         # q, k (Hk*Dk each), v, z (Hv*Dv each), b, a (Hv each)
         self.in_proj = nn.Linear(cfg.n_embd, 2 * Hk * Dk + 2 * Hv * Dv + 2 * Hv, bias=False)
         W = cfg.conv_width

@@ -210,8 +210,8 @@ def ring_refusal(args):
     for flag, used, reason in (("--pack", args.pack, "the ring attends one document a row"),
                                ("--compile", args.compile, "the ring's sends are not traced"),
                                ("--gdn-parallel ulysses", "d" in args.layer_pattern and args.gdn_parallel == "ulysses",
-                                "its Gated DeltaNet layers need whole heads of the whole sequence (--gdn-parallel context runs "
-                                "beside a ring)")):
+                                "its Gated DeltaNet layers need whole heads of the whole sequence "
+                                "(--gdn-parallel context runs beside a ring)")):
         if used:
             return f"{flag}: {reason}"
     return ""

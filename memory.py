@@ -107,7 +107,8 @@ def predict_memory(cfg, tokens, batch, sp, ring_size, world_size, zero, cuda, bf
     kd_, vd_, kv = hk * Dk, hv * Dv, hv * Dk
     context = cfg.gdn_parallel == "context"
     v_width = hv * (Dv + Dk) if context else vd_  # the kernel's v elements per local token
-    kernel = (5 + 2) * kv + (4 + 2) * v_width + 7 * C * hv + 16 * hv + 2 * Dk * v_width / C + (2 * vd_ if context else 0)
+    kernel = ((5 + 2) * kv + (4 + 2) * v_width + 7 * C * hv + 16 * hv + 2 * Dk * v_width / C +
+              (2 * vd_ if context else 0))
     deltanet = 2 * kd + 7 * vd + wide * (3 * (2 * kd_ + vd_) + kernel) + (C + 2) / e
     kept = {"a": norms + attention + mlp, "d": norms + deltanet + mlp}
     layers = [kept[block.kind] for block in model.blocks]

@@ -263,8 +263,8 @@ def summarize(args, history, model, optimizer, n_params, world_size, device, ran
     if "d" in args.layer_pattern and args.gdn_parallel == "context":  # Gated DeltaNet's gathers, any seq-len
         formula = count(block.attn.context_bytes(args.batch_size, tokens // args.batch_size, element_bytes)
                         for block in model.blocks if block.kind == "d")
-        print(f"context-parallel Gated DeltaNet of rank 0 per step: {sum(deltanet.context_stats.values()) / len(history):,.0f}"
-              f" bytes sent (formula {formula:,} bytes)")
+        sent = sum(deltanet.context_stats.values()) / len(history)
+        print(f"context-parallel Gated DeltaNet of rank 0 per step: {sent:,.0f} bytes sent (formula {formula:,} bytes)")
     heads = [len(r) for r in ulysses.head_layout(args.n_head, args.n_kv_head, args.sp // args.ring)[0]] \
         if "a" in args.layer_pattern else []
     if len(set(heads)) > 1:  # uneven: the rank with the most heads does the most attention work
