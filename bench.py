@@ -5,7 +5,8 @@ that teach a concept, so those read as their lesson.
     python bench.py attention   # one attention layer: ulysses_attention against the kernel alone, three
                                 # all-to-alls (DeepSpeed's DistributedAttention) and all-gathered k, v; weak scaling
     python bench.py tiled       # what sequence tiling saves in the MLP and the loss (tiled.py)
-    python bench.py deltanet    # the gated delta rule, chunked against the token-by-token recurrence (deltanet.py)
+    python bench.py deltanet    # the gated delta rule, chunked against the token-by-token recurrence; the layer
+                                # under SP, Ulysses against context parallelism (deltanet.py)
     python bench.py memory      # train.py's predicted peak memory per rank against the measured one
     python bench.py compile     # train.py eager against --compile: the first step (which compiles) and the rest
     python bench.py ring        # Ulysses, ring and Ulysses x Ring on the same ranks: time, bytes, calls, memory;
@@ -40,6 +41,7 @@ import launch
 import memory
 import ring
 import ulysses
+import deltanet as gdn
 from deltanet import chunk_gated_delta_rule, gated_delta_rule
 from tiled import tiled_lm_loss, tiled_mlp
 from zero3 import all_gather, reduce_scatter
@@ -364,6 +366,50 @@ def deltanet(args):
                                    for kernel in (gated_delta_rule, chunk_gated_delta_rule))
         print(f"{name:18} recurrence {recurrence * 1e3:8.1f} ms   chunked {chunked * 1e3:7.1f} ms   "
               f"{recurrence / chunked:5.1f}x faster", flush=True)
+    deltanet_ways(args)
+
+
+def _deltanet_ways_rank(rank, P, args):
+    """{(way, S): (median seconds, bytes this rank sent, peak bytes)}: one Gated DeltaNet layer, forward and
+    backward, on this rank's S/P tokens, each way, every S."""
+    cfg = dict(n_head=args.heads, n_embd=args.heads * args.head_dim, gdn_k_heads=args.heads // 2,
+               gdn_v_heads=args.heads)  # Qwen3-Next's ratio: a key head for every two value heads
+    layers = {}
+    for way in ("ulysses", "context"):
+        torch.manual_seed(0)
+        layers[way] = gdn.GatedDeltaNet(gpt.GPTConfig(**cfg, gdn_parallel=way), dist.group.WORLD)
+    results = {}
+    for S in args.seq_lens:
+        x = torch.randn(1, S // P, cfg["n_embd"], requires_grad=True)  # (B, S/P, h)
+        for way, layer in layers.items():
+            def step():
+                out = layer(x, None, None, gdn.gated_delta_net)
+                torch.autograd.grad(out, [x, *layer.parameters()], torch.ones_like(out))
+            ulysses.reset_all_to_all_stats()
+            gdn.reset_context_stats()
+            step()  # a warm-up, whose bytes are counted
+            sent = sum(c["bytes"] for c in ulysses.all_to_all_stats.values()) + sum(gdn.context_stats.values())
+            dist.barrier()
+            seconds = median_seconds(step, args.reps)
+            with memory.StorageBytes([x, *layer.parameters()]) as storages:  # MemTracker cannot follow the
+                step()  # autograd.grad inside the context way's backward
+            results[way, S] = seconds, sent, storages.peak
+    return results
+
+
+def deltanet_ways(args):
+    print(f"\none Gated DeltaNet layer under SP, forward + backward: {args.heads // 2} key and {args.heads} value "
+          f"heads of {args.head_dim}, B=1, float32, gloo; median of {args.reps}; ulysses (all-to-alls of q, k, v, "
+          f"b, a and o) against context (gathered summaries and left context)", flush=True)
+    print(f"{'P':>2} {'S':>6}  {'ulysses ms':>10} {'context ms':>10} {'ulysses bytes':>14} {'context bytes':>14} "
+          f"{'ulysses MiB':>11} {'context MiB':>11}", flush=True)
+    for P in (2, 4):
+        with measuring(f"P={P}: both ways at S = {', '.join(map(str, args.seq_lens))}"):
+            results = run_ranks(P, _deltanet_ways_rank, args)
+        for S in args.seq_lens:
+            (u_s, u_b, u_m), (c_s, c_b, c_m) = results["ulysses", S], results["context", S]
+            print(f"{P:>2} {S:>6}  {u_s * 1e3:10.1f} {c_s * 1e3:10.1f} {u_b:14,} {c_b:14,} {u_m / 2**20:11.1f} "
+                  f"{c_m / 2**20:11.1f}", flush=True)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -526,12 +572,15 @@ def main(argv=None):
     p.add_argument("--seq-len", type=int, default=16384, help="tokens")
     p.add_argument("--hidden", type=int, default=128, help="hidden size h (the MLP's is 4h)")
     p.add_argument("--vocab", type=int, default=2048, help="vocabulary of the loss")
-    p = commands.add_parser("deltanet", help="the gated delta rule, chunked against the recurrence",
+    p = commands.add_parser("deltanet", help="the gated delta rule, chunked against the recurrence; "
+                            "the layer under SP, Ulysses against context",
                             formatter_class=_HelpFormatter, allow_abbrev=False)
     p.add_argument("--seq-len", type=int, default=4096, help="tokens")
     p.add_argument("--heads", type=int, default=4, help="heads")
     p.add_argument("--head-dim", type=int, default=64, help="dimensions per head")
     p.add_argument("--reps", type=int, default=3, help="timed repetitions")
+    p.add_argument("--seq-lens", type=int, nargs="+", default=[1024, 4096, 16384], help="the layer under SP: "
+                   "sequence lengths, one row each (P = 2 and 4)")
     p = commands.add_parser("memory", help="train.py's predicted peak memory against the measured one",
                             formatter_class=_HelpFormatter, allow_abbrev=False)
     p.add_argument("--seq-lens", type=int, nargs="+", default=[1024, 4096], help="sequence lengths, one row each")

@@ -22,6 +22,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.distributed.device_mesh import init_device_mesh
 
 import launch
 
@@ -113,6 +114,13 @@ def workers_of(launcher_pid):
             if f.read().rsplit(")", 1)[1].split()[1] == str(launcher_pid):
                 workers.append(int(pid))
     return sorted(workers)
+
+
+def usp_groups(U, R):
+    """(Ulysses group, ring group) of this rank when the world is an SP group of U x R: U consecutive ranks form
+    a Ulysses group, and the ranks at the same place in each Ulysses group a ring."""
+    mesh = init_device_mesh("cpu", (R, U), mesh_dim_names=("ring", "ulysses"))
+    return mesh.get_group("ulysses"), mesh.get_group("ring")
 
 
 # ================================================================================================================

@@ -57,19 +57,41 @@ rank receives exactly the key heads its value heads use (`head_layout`, value he
 So a value head never spans two ranks: at most Hv ranks, and the bytes grow with S. With packed documents, the
 starts come from the all-gathered global position ids: a shard boundary is never a document start.
 
-The file reads: the recurrence, the chunked form, the convolution, gated_delta_net, the layer. It needs torch,
-ulysses.py (the all-to-all) and tiled.py's at_least_float32. `python bench.py deltanet` times the chunked form
-against the recurrence.
+The context-parallel way (gdn_parallel="context") moves the state instead. Each rank keeps its own tokens
+with all heads. The rule is affine in its starting state: over a run of tokens, state_out = M @ state_in +
+h_ext, with h_ext [Dk, Dv] the state reached from zero and M [Dk, Dk] the product of the tokens' transitions
+exp(g_t) (I - beta_t k_t k_t^T). A document start inside the run zeroes M by itself (its decay is 0). So:
+
+    rank 0        rank 1        rank 2          each rank: (M_r, h_r) of its tokens, one kernel call
+    M_0, h_0      M_1, h_1      M_2, h_2        all-gather the pairs, then each folds those before it:
+      |             |             |
+    s_0 = 0  ->  s_1 = h_0  ->  s_2 = M_1 s_1 + h_1       s_r: the state rank r starts from, float32
+
+The same kernel gives the pair: append Dk zero columns to v and start from [0 | I]. A zero value column
+evolves by the transitions alone, so the final state is [h_ext | M]. The outputs come from that call too:
+o_t = o_t(from 0) + s^T (T_t^T q_t), and the appended columns' outputs are T_t^T q_t (T_t: the transitions
+up to t). The convolution takes the W-1 tokens before a rank's first one from the rank that holds them
+(zeros at the sequence start, with their document starts). Backward is the same fold the other way: the
+gather's gradient sums each rank's part back to it. With a ring a rank's tokens are two runs of the sequence
+(the zigzag order), each a link of the chain. Any number of ranks, and the bytes do not grow with S:
+(P-1) x [Dk, Dv + Dk] a value head and W-1 tokens, per run and row, forward and backward alike.
+
+The file reads: the recurrence, the chunked form, the convolution, the context-parallel way, gated_delta_net, the
+layer. It needs torch, ring.py (the token order), ulysses.py (the all-to-all) and tiled.py's at_least_float32.
+`python bench.py deltanet` times the chunked form against the recurrence, and the two ways against each other.
 """
 
 import math
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ring import token_index
 from tiled import at_least_float32
-from ulysses import all_to_all_bytes, document_bounds, head_layout, heads_to_seq, seq_to_heads, size_and_rank
+from ulysses import (_collective, all_to_all_bytes, document_bounds, head_layout, heads_to_seq, seq_to_heads,
+                     size_and_rank)
 
 
 def gated_delta_rule(q, k, v, g, beta, starts=None):
@@ -85,8 +107,10 @@ def gated_delta_rule(q, k, v, g, beta, starts=None):
     return torch.stack(outputs, dim=1)  # (B, S, H, Dv)
 
 
-def chunk_gated_delta_rule(q, k, v, g, beta, starts=None, chunk_size=64):
+def chunk_gated_delta_rule(q, k, v, g, beta, starts=None, chunk_size=64, initial_state=None, output_final_state=False):
     """The same result, chunk by chunk: matrix products inside a chunk of C tokens, a loop only across chunks.
+    initial_state [B, H, Dk, Dv]: the state before the first token (None: zeros). output_final_state: return
+    (o, the state after the last token).
 
     In a chunk entered with state M0, let G_t = g_1 + ... + g_t and Dec[t, s] = exp(G_t - G_s) for s <= t in
     the same document (else 0). The corrected values U (u_t = beta_t (v_t - M_{t-1}^T k_t)) solve a triangular
@@ -98,7 +122,8 @@ def chunk_gated_delta_rule(q, k, v, g, beta, starts=None, chunk_size=64):
     """
     B, S, H, Dk = q.shape
     Dv = v.shape[-1]
-    C, n = chunk_size, -(-S // chunk_size)  # n chunks; the last is padded with tokens that change nothing
+    C = min(chunk_size, S)  # a short sequence is one chunk of its own length
+    n = -(-S // C)  # n chunks; the last is padded with tokens that change nothing
 
     def chunked(x):  # (B, S, H, ...) -> (B, H, n, C, ...)
         x = F.pad(x.transpose(1, 2), (0, 0) * (x.dim() - 3) + (0, n * C - S))
@@ -120,7 +145,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, starts=None, chunk_size=64):
     solved = torch.linalg.solve_triangular(eye + A, right, upper=False, unitriangular=True)  # (B, H, n, C, Dv + Dk)
     U_tilde, W = solved.split([Dv, Dk], -1)  # (B, H, n, C, Dv), (B, H, n, C, Dk)
     # the one sequential part: the state, carried across chunks
-    M, states, values = q.new_zeros(B, H, Dk, Dv), [], []
+    M, states, values = q.new_zeros(B, H, Dk, Dv) if initial_state is None else initial_state.to(q.dtype), [], []
     k_to_end = (k * to_end[..., None]).transpose(-1, -2)  # (B, H, n, Dk, C)
     for i in range(n):
         u = U_tilde[:, :, i] - W[:, :, i] @ M  # (B, H, C, Dv)
@@ -129,7 +154,8 @@ def chunk_gated_delta_rule(q, k, v, g, beta, starts=None, chunk_size=64):
         M = from_start[:, :, i, -1, None, None] * M + k_to_end[:, :, i] @ u  # (B, H, Dk, Dv)
     states, U = torch.stack(states, dim=2), torch.stack(values, dim=2)  # (B, H, n, Dk, Dv), (B, H, n, C, Dv)
     o = (q * from_start[..., None]) @ states + ((q @ k.transpose(-1, -2)) * Dec) @ U  # (B, H, n, C, Dv)
-    return o.reshape(B, H, n * C, Dv)[:, :, :S].transpose(1, 2)  # (B, S, H, Dv)
+    o = o.reshape(B, H, n * C, Dv)[:, :, :S].transpose(1, 2)  # (B, S, H, Dv)
+    return (o, M) if output_final_state else o
 
 
 def _masked_exp(log_decay, keep):
@@ -155,27 +181,195 @@ def _causal_conv(x, weight):
     return F.conv1d(x, weight[:, None], groups=x.shape[1]).transpose(1, 2)  # (B, C, n) -> (B, n, C)
 
 
-def gated_delta_net(q, k, v, b, a, conv_weight, A_log, dt_bias, key_of_value=None, starts=None):
+# ----------------------------------------------------------------------------------------------------------------
+# the context-parallel way: the state travels, not the tokens
+
+# the bytes this process has sent for the context-parallel way, by direction
+context_stats = {"forward": 0, "backward": 0}
+
+
+def reset_context_stats():
+    context_stats.update(forward=0, backward=0)
+
+
+def _all_to_all_sum(grad, group):
+    """The gradient of an all-gather: grad [P, ...], row j my gradient of rank j's piece -> [...], the sum of every
+    rank's row for my piece (a reduce-scatter, written as an all-to-all and a sum: gloo has no reduce-scatter)."""
+    P = grad.shape[0]
+    send = grad.contiguous()
+    received = torch.empty_like(send)  # (P, ...): row i is rank i's gradient of my piece
+    # dist.all_to_all_single(received, send, group=group), waiting until gloo has let go (ulysses._collective)
+    _collective(dist.all_to_all_single, [received, send], received, send, group=group)
+    context_stats["backward"] += send.nbytes * (P - 1) // P  # row `rank` stays here
+    return received.sum(0)
+
+
+class _GatherThen(torch.autograd.Function):
+    """fn(every rank's x), x [n, ...] one entry per run of this rank, gathered to [P, n, ...] in the order (ring
+    rank, Ulysses rank): an all-gather over the Ulysses group, then one over the ring. Backward: fn's gradient
+    for every rank's x, and each rank's summed back to it. Gather and fn are one step of autograd on purpose:
+    the rank whose runs come first uses nothing it gathered, and autograd would skip the backward of a gather
+    whose result is unused, leaving the other ranks waiting in its collective."""
+
+    @staticmethod
+    def forward(ctx, x, context, fn):
+        every = x.contiguous()
+        for group in context:
+            P = size_and_rank(group)[0]
+            if P == 1:
+                every = every[None]
+                continue
+            parts = [torch.empty_like(every) for _ in range(P)]
+            # dist.all_gather(parts, every, group=group), waiting until gloo has let go (ulysses._collective)
+            _collective(dist.all_gather, [every, *parts], parts, every, group=group)
+            context_stats["forward"] += every.nbytes * (P - 1)  # mine, to each other rank
+            every = torch.stack(parts)  # (U, n, ...), then (R, U, n, ...)
+        ctx.context, ctx.fn = context, fn
+        ctx.save_for_backward(every)
+        return fn(every.flatten(0, 1))  # fn of (P, n, ...)
+
+    @staticmethod
+    def backward(ctx, grad):
+        every, = ctx.saved_tensors
+        with torch.enable_grad():
+            every = every.detach().requires_grad_()
+            mine = ctx.fn(every.flatten(0, 1))
+        # (R, U, n, ...); zeros where my result used none of it (my runs come first)
+        grad = torch.autograd.grad(mine, every, grad, materialize_grads=True)[0] if mine.requires_grad else \
+            torch.zeros_like(every)
+        for group in reversed(ctx.context):  # the ring's rows first, then the Ulysses group's
+            grad = grad[0] if size_and_rank(group)[0] == 1 else _all_to_all_sum(grad, group)  # (U, n, ...), (n, ...)
+        return grad, None, None
+
+
+def token_runs(context, L):
+    """Each rank's L local tokens as runs of consecutive global positions, in shard_for_sp's layout (zigzag with a
+    ring): for rank r*U + u of the SP group (ring rank r, Ulysses rank u), [(first global position, first local
+    index, length)], one run or two."""
+    (U, _), (R, _) = (size_and_rank(group) for group in context)
+    runs = []
+    for r in range(R):
+        block = token_index("zigzag" if R > 1 else "contiguous", r, R, U * L)  # (U*L,): ring rank r's positions
+        for index in block.chunk(U):  # (L,): those of its Ulysses ranks, in order
+            cuts = [0, *((index[1:] != index[:-1] + 1).nonzero().flatten() + 1).tolist(), L]
+            runs.append([(index[s].item(), s, e - s) for s, e in zip(cuts[:-1], cuts[1:])])
+    return runs
+
+
+def chain(context, L):
+    """(mine, before, n): this rank's runs [(first global position, first local index, length)]; for each of them
+    the runs that come before it in the global sequence, in order, as (rank, slot, length), slot being the run's
+    place on its rank; and n, the most runs a rank has (every rank sends n, so that all gathers match)."""
+    runs = token_runs(context, L)
+    (U, u), (_, r) = (size_and_rank(group) for group in context)
+    links = sorted((start, rank, slot, length) for rank, its in enumerate(runs)
+                   for slot, (start, _, length) in enumerate(its))
+    mine = runs[r * U + u]
+    before = [[(rank, slot, length) for first, rank, slot, length in links if first < start] for start, _, _ in mine]
+    return mine, before, max(map(len, runs))
+
+
+def left_contexts(x, starts, context, width, links):
+    """x [B, L, C]: this rank's channels before the convolution; starts [B, L] its document starts (None: none);
+    links: chain(context, L) -> for each of its runs the `width` tokens before it in the global sequence,
+    [B, width, C + 1], the last channel 1.0 where a document starts; zeros before the first token. Every rank
+    sends the last `width` tokens of each of its runs (fewer when a run is shorter: the runs before it fill in)."""
+    B, L, C = x.shape
+    mine, before, n = links
+    flags = x.new_zeros(B, L) if starts is None else starts.to(x.dtype)  # (B, L)
+    flagged = torch.cat([x, flags[..., None]], dim=2)  # (B, L, C + 1): the flags ride along as one more channel
+    tails = [F.pad(flagged[:, i + l - min(width, l):i + l], (0, 0, width - min(width, l), 0)) for _, i, l in mine]
+    tails += [torch.zeros_like(tails[0])] * (n - len(mine))  # (B, width, C + 1) each
+
+    def lefts(every):  # (P, n, B, width, C + 1) -> (my runs, B, width, C + 1)
+        zeros = every.new_zeros(B, width, C + 1)  # what lies before the sequence
+        return torch.stack([torch.cat([zeros, *(every[rank, slot, :, width - min(width, length):]
+                                                for rank, slot, length in links)], dim=1)[:, -width:]
+                            for links in before])
+    return _GatherThen.apply(torch.stack(tails), context, lefts)
+
+
+def context_conv1d(x, weight, starts, lefts, mine):
+    """causal_conv1d over each of this rank's runs after its left context: x [B, L, C] -> [B, L, C]."""
+    width = weight.shape[1] - 1
+    out = []
+    for left, (_, i, l) in zip(lefts, mine):
+        run = torch.cat([left[..., :-1], x[:, i:i + l]], dim=1)  # (B, width + l, C)
+        run_starts = None if starts is None else torch.cat([left[..., -1] > 0, starts[:, i:i + l]], dim=1)
+        out.append(causal_conv1d(run, weight, run_starts)[:, width:])  # (B, l, C)
+    return torch.cat(out, dim=1)  # (B, L, C)
+
+
+def context_gated_delta_rule(q, k, v, g, beta, starts, context, links):
+    """chunk_gated_delta_rule over the whole sequence, when this rank holds only its runs of it (same arguments,
+    [B, L, ...] each). One call of the kernel per run gives its outputs from a zero state, its summary (M, h_ext)
+    and what a starting state adds to each output; the gathered summaries of the runs before it give its
+    starting state."""
+    B, L, H, Dk = q.shape
+    Dv = v.shape[-1]
+    mine, before, n = links
+    identity = torch.eye(Dk, dtype=q.dtype, device=q.device).expand(B, H, Dk, Dk)  # (B, H, Dk, Dk)
+    zero_and_identity = torch.cat([q.new_zeros(B, H, Dk, Dv), identity], dim=-1)  # (B, H, Dk, Dv + Dk): [0 | I]
+    outputs, summaries = [], []
+    for _, i, l in mine:
+        run = slice(i, i + l)
+        o, final = chunk_gated_delta_rule(q[:, run], k[:, run], F.pad(v[:, run], (0, Dk)), g[:, run], beta[:, run],
+                                          None if starts is None else starts[:, run],
+                                          initial_state=zero_and_identity, output_final_state=True)
+        outputs.append(o)  # (B, l, H, Dv + Dk): the outputs from state 0, then q_t through the decays so far
+        summaries.append(final)  # (B, H, Dk, Dv + Dk): [h_ext | M]
+    summaries += [torch.zeros_like(summaries[0])] * (n - len(mine))
+
+    def fold(every):  # (P, n, B, H, Dk, Dv + Dk) -> (my runs, B, H, Dk, Dv): the state each of my runs starts from
+        starting = []
+        for links in before:
+            state = q.new_zeros(B, H, Dk, Dv)  # (B, H, Dk, Dv), in the kernel's float32 (or wider)
+            for rank, slot, _ in links:
+                h_ext, M = every[rank, slot].split([Dv, Dk], dim=-1)  # (B, H, Dk, Dv), (B, H, Dk, Dk)
+                state = M @ state + h_ext
+            starting.append(state)
+        return torch.stack(starting)
+    states = _GatherThen.apply(torch.stack(summaries), context, fold)  # (my runs, B, H, Dk, Dv)
+    out = []
+    for o, state in zip(outputs, states):
+        from_zero, through = o.split([Dv, Dk], dim=-1)  # (B, l, H, Dv), (B, l, H, Dk)
+        out.append(from_zero + torch.einsum("blhk,bhkv->blhv", through, state))  # (B, l, H, Dv)
+    return torch.cat(out, dim=1)  # (B, L, H, Dv)
+
+
+def gated_delta_net(q, k, v, b, a, conv_weight, A_log, dt_bias, key_of_value=None, starts=None, context=None):
     """What a Gated DeltaNet layer computes over the full sequence, for some of its heads: q and k [B, S, hk, Dk]
     and v [B, S, hv, Dv] before the convolution, b and a [B, S, hv, 1] (the inputs of beta and of the decay), the
     slices of the per-head parameters for those heads, and key_of_value, for each value head the index of its key
     head among the hk (None: hk = hv, one each) -> o [B, S, hv, Dv]. It computes in float32 with autocast off,
     whatever the dtype of its inputs: cumulative decays and a state carried over the whole sequence would drift in
-    bf16's 8 significant bits. o comes back in the inputs' dtype, for the all-to-all."""
+    bf16's 8 significant bits. o comes back in the inputs' dtype, for the all-to-all.
+
+    context: (Ulysses group, ring group) for the context-parallel way. Then the inputs are this rank's tokens of
+    the sequence (its runs, in the SP group's token order), all heads, and starts the document starts among them."""
     B, S, hk, Dk = q.shape
     hv, Dv = v.shape[2:]
     dtype = q.dtype
+    qkv = torch.cat([q.flatten(2), k.flatten(2), v.flatten(2)], dim=2)  # (B, S, 2*hk*Dk + hv*Dv): the channels
+    if context is not None:  # the left context of each run travels in the inputs' dtype
+        links = chain(context, S)
+        lefts = left_contexts(qkv, starts, context, conv_weight.shape[1] - 1, links)
     with torch.autocast(q.device.type, enabled=False):
-        q, k, v, b, a, conv_weight, A_log, dt_bias = map(at_least_float32, (q, k, v, b, a, conv_weight, A_log, dt_bias))
-        qkv = torch.cat([q.flatten(2), k.flatten(2), v.flatten(2)], dim=2)  # (B, S, 2*hk*Dk + hv*Dv): the channels
-        channels = F.silu(causal_conv1d(qkv, conv_weight, starts))  # (B, S, 2*hk*Dk + hv*Dv)
+        qkv, b, a, conv_weight, A_log, dt_bias = map(at_least_float32, (qkv, b, a, conv_weight, A_log, dt_bias))
+        if context is None:
+            channels = F.silu(causal_conv1d(qkv, conv_weight, starts))  # (B, S, 2*hk*Dk + hv*Dv)
+        else:
+            channels = F.silu(context_conv1d(qkv, conv_weight, starts, at_least_float32(lefts), links[0]))
         q, k, v = channels.split([hk * Dk, hk * Dk, hv * Dv], dim=2)  # (B, S, hk*Dk) twice, (B, S, hv*Dv)
         q, k = (F.normalize(t.view(B, S, hk, Dk), dim=-1) for t in (q, k))  # (B, S, hk, Dk)
         if key_of_value is not None:  # each value head gets its key head's q and k
             q, k = q[:, :, key_of_value], k[:, :, key_of_value]  # (B, S, hk, Dk) -> (B, S, hv, Dk)
         beta = b.squeeze(-1).sigmoid()  # (B, S, hv)
         g = -A_log.exp() * F.softplus(a.squeeze(-1) + dt_bias)  # (B, S, hv): the log of the decay, <= 0
-        o = chunk_gated_delta_rule(q, k, v.view(B, S, hv, Dv), g, beta, starts)  # (B, S, hv, Dv)
+        if context is None:
+            o = chunk_gated_delta_rule(q, k, v.view(B, S, hv, Dv), g, beta, starts)  # (B, S, hv, Dv)
+        else:
+            o = context_gated_delta_rule(q, k, v.view(B, S, hv, Dv), g, beta, starts, context, links)
     return o.to(dtype)
 
 
@@ -184,10 +378,11 @@ class GatedDeltaNet(nn.Module):
     attention, layer(x, cos, sin, attend), with `attend` gated_delta_net and this forward's document starts. It
     uses no RoPE (cos and sin go unused): the recurrence knows the order of the tokens."""
 
-    def __init__(self, cfg, sp_group):
+    def __init__(self, cfg, sp_group, ring_group=None):
         super().__init__()
         Hk, Hv, Dk, Dv = cfg.gdn_k_heads, cfg.gdn_v_heads, cfg.gdn_k_dim, cfg.gdn_v_dim
-        self.dims, self.sp_group = (Hk, Hv, Dk, Dv), sp_group
+        self.dims, self.sp_group, self.ring_group = (Hk, Hv, Dk, Dv), sp_group, ring_group
+        self.parallel = cfg.gdn_parallel  # "ulysses" or "context"
         # q, k (Hk*Dk each), v, z (Hv*Dv each), b, a (Hv each)
         self.in_proj = nn.Linear(cfg.n_embd, 2 * Hk * Dk + 2 * Hv * Dv + 2 * Hv, bias=False)
         W = cfg.conv_width
@@ -212,22 +407,30 @@ class GatedDeltaNet(nn.Module):
         q, k, v, z, b, a = self.in_proj(x).split([Hk * Dk, Hk * Dk, Hv * Dv, Hv * Dv, Hv, Hv], dim=-1)
         q, k = (t.view(B, S_local, Hk, Dk) for t in (q, k))  # (B, S_local, Hk, Dk)
         v, z = (t.view(B, S_local, Hv, Dv) for t in (v, z))  # (B, S_local, Hv, Dv)
-        value_heads, key_heads = self.heads()
-        rank = size_and_rank(self.sp_group)[1]
-        mine_v, mine_k = value_heads[rank], key_heads[rank]
-        q, k, v, b, a = seq_to_heads((q, k, v, b[..., None], a[..., None]), self.sp_group,
-                                     (key_heads, key_heads, value_heads, value_heads, value_heads))  # (B, S, h, *)
+        b, a = b[..., None], a[..., None]  # (B, S_local, Hv, 1)
+        if self.parallel == "context":  # every head of my tokens stays here; the state's summaries travel
+            mine_v, mine_k, context = range(Hv), range(Hk), (self.sp_group, self.ring_group)
+        else:  # my value heads of the whole sequence come here
+            value_heads, key_heads = self.heads()
+            rank = size_and_rank(self.sp_group)[1]
+            mine_v, mine_k, context = value_heads[rank], key_heads[rank], None
+            q, k, v, b, a = seq_to_heads((q, k, v, b, a), self.sp_group,
+                                         (key_heads, key_heads, value_heads, value_heads, value_heads))  # (B, S, h, *)
         key_of_value = [h // (Hv // Hk) - mine_k.start for h in mine_v] if Hk < Hv else None
         conv = torch.cat([self.conv_qk[:, mine_k.start:mine_k.stop].flatten(0, 2),
                           self.conv_v[mine_v.start:mine_v.stop].flatten(0, 1)])  # (2*hk*Dk + hv*Dv, W): my channels
         o = attend(q, k, v, b, a, conv, self.A_log[mine_v.start:mine_v.stop], self.dt_bias[mine_v.start:mine_v.stop],
-                   key_of_value)  # (B, S, hv, Dv)
-        o = heads_to_seq(o, self.sp_group, value_heads)  # (B, S_local, Hv, Dv)
+                   key_of_value, context=context)  # (B, S, hv, Dv); with context (B, S_local, Hv, Dv)
+        if context is None:
+            o = heads_to_seq(o, self.sp_group, value_heads)  # (B, S_local, Hv, Dv)
         return self.proj(self.norm(o, z).flatten(2))  # (B, S_local, h); the gate z is per token: it never left
 
     def all_to_all_bytes(self, tokens, element_bytes):
         """(forward, backward) bytes this rank sends per call: q and k (Dk each) to the other ranks' key heads, v
-        (Dv), b and a (one each) to their value heads, and the output (Dv) back; backward the reverse."""
+        (Dv), b and a (one each) to their value heads, and the output (Dv) back; backward the reverse. The
+        context-parallel way sends none (context_bytes counts what it sends)."""
+        if self.parallel == "context":
+            return 0, 0
         _, _, Dk, Dv = self.dims
         value_heads, key_heads = self.heads()
         rank = size_and_rank(self.sp_group)[1]
@@ -235,6 +438,22 @@ class GatedDeltaNet(nn.Module):
             all_to_all_bytes(heads, rank, tokens * width * element_bytes)
             for heads, width in ((key_heads, 2 * Dk), (value_heads, Dv + 2), (value_heads, Dv)))
         return k_there + v_there + o_back, o_there + k_back + v_back
+
+    def context_bytes(self, batch, tokens, element_bytes):
+        """(forward, backward) bytes this rank sends per call on the context-parallel way, `tokens` local tokens in
+        each of `batch` rows: for each of n runs (the most a rank has: 1, or 2 with a ring) and row, to each of the
+        P-1 other ranks, the summary [h_ext | M], [Dk, Dv + Dk] a value head in float32 (or wider), and the last
+        W-1 tokens before the convolution (2*Hk*Dk + Hv*Dv channels and a document-start flag) in the compute
+        dtype. Backward sends their gradients the same way: the same bytes. Independent of the sequence length."""
+        Hk, Hv, Dk, Dv = self.dims
+        if self.parallel != "context":
+            return 0, 0
+        context = (self.sp_group, self.ring_group)
+        P = size_and_rank(self.sp_group)[0] * size_and_rank(self.ring_group)[0]
+        n, width = chain(context, tokens)[2], self.conv_v.shape[-1] - 1
+        run = Hv * Dk * (Dv + Dk) * max(4, element_bytes) + width * (2 * Hk * Dk + Hv * Dv + 1) * element_bytes
+        sent = (P - 1) * n * batch * run
+        return sent, sent
 
 
 class GatedRMSNorm(nn.RMSNorm):

@@ -46,6 +46,10 @@ class GPTConfig:
     gdn_v_heads: int = 0
     gdn_k_dim: int = 0
     gdn_v_dim: int = 0
+    # How Gated DeltaNet layers run under SP (deltanet.py): "ulysses", whole value heads of the whole sequence on
+    # each rank (at most one rank a value head, no ring); "context", each rank its tokens, the state's summaries
+    # gathered and folded (any number of ranks, beside a ring). The same result either way.
+    gdn_parallel: str = "ulysses"
     # How to compute, not what: these change memory and time, never the result.
     tiles: int = 1  # > 1: MLP and loss run over this many sequence tiles (tiled.py), never the full activation
     recompute: bool = False  # keep only each block's input; recompute the block in backward
@@ -65,6 +69,8 @@ class GPTConfig:
             multiples = ", ".join(str(self.gdn_k_heads * m) for m in range(1, 5))
             raise ValueError(f"gdn_v_heads={self.gdn_v_heads} is not a multiple of gdn_k_heads={self.gdn_k_heads}; "
                              f"choose gdn_v_heads in {{{multiples}, ...}}")
+        if self.gdn_parallel not in ("ulysses", "context"):
+            raise ValueError(f"gdn_parallel={self.gdn_parallel!r}: choose 'ulysses' or 'context'")
         if not self.layer_pattern or set(self.layer_pattern) - set("ad"):
             raise ValueError(f"layer_pattern={self.layer_pattern!r}: use the letters a (softmax attention) and "
                              f"d (Gated DeltaNet), e.g. 'ddda'")
@@ -146,11 +152,11 @@ class RMSNorm(nn.RMSNorm):  # nn.RMSNorm's weight and name, rms_norm's arithmeti
 
 
 class Block(nn.Module):
-    def __init__(self, cfg, sp_group, kind):
+    def __init__(self, cfg, sp_group, kind, ring_group=None):
         super().__init__()
         self.kind = kind  # "a" or "d"
         self.norm1 = RMSNorm(cfg.n_embd)
-        self.attn = Attention(cfg, sp_group) if kind == "a" else GatedDeltaNet(cfg, sp_group)
+        self.attn = Attention(cfg, sp_group) if kind == "a" else GatedDeltaNet(cfg, sp_group, ring_group)
         self.norm2, self.mlp = RMSNorm(cfg.n_embd), MLP(cfg)
 
     def forward(self, x, cos, sin, attend):
@@ -191,13 +197,13 @@ class GPT(nn.Module):
     def __init__(self, cfg, sp_group=None, ring_group=None):
         super().__init__()
         self.ring_group = ring_group if size_and_rank(ring_group)[0] > 1 else None
-        if self.ring_group and "d" in cfg.layer_pattern:
-            raise ValueError("Gated DeltaNet layers carry a state through the tokens in order, which a ring does not "
-                             "see; use layer_pattern 'a' with a ring, or no ring")
+        if self.ring_group and "d" in cfg.layer_pattern and cfg.gdn_parallel == "ulysses":
+            raise ValueError("gdn_parallel='ulysses' runs a Gated DeltaNet layer on its Ulysses group alone, which "
+                             "a ring splits; use gdn_parallel='context' with a ring, or no ring")
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.n_embd)
-        self.blocks = nn.ModuleList(Block(cfg, sp_group, cfg.layer_pattern[i % len(cfg.layer_pattern)])
-                                    for i in range(cfg.n_layer))
+        self.blocks = nn.ModuleList(Block(cfg, sp_group, cfg.layer_pattern[i % len(cfg.layer_pattern)],
+                                          self.ring_group) for i in range(cfg.n_layer))
         self.sp_group = sp_group
         self.head = Head(cfg)
         for name, p in self.named_parameters():
@@ -222,7 +228,8 @@ class GPT(nn.Module):
         attend = {"a": partial(document_attention, position_ids=full_positions, window=window) if packed else
                   partial(ring_attention, group=self.ring_group, window=window or None) if self.ring_group else
                   partial(sliding_window_attention, window=window) if window else causal_attention,
-                  "d": partial(gated_delta_net, starts=full_positions == 0 if packed else None)}
+                  "d": partial(gated_delta_net, starts=None if not packed else  # context: its own tokens' starts
+                               position_ids == 0 if self.cfg.gdn_parallel == "context" else full_positions == 0)}
         x = at_least_float32(self.embed(idx))  # (B, S_local, h); the residual stream stays float32 under bf16
         cos, sin = rope_cos_sin(position_ids, self.cfg.n_embd // self.cfg.n_head, self.cfg.rope_base)
         offload = self.cfg.offload and x.is_cuda  # ALST's trick: block inputs wait for backward in CPU memory

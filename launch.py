@@ -134,6 +134,10 @@ def parse_args(argv=None):
                        "heads)"), ("k-dim", "dims of a key head"), ("v-dim", "dims of a value head")):
         p.add_argument(f"--gdn-{part}", type=int, default=0, help=f"Gated DeltaNet layers: {what} (0: as for "
                        f"softmax attention, --n-head heads of --n-embd / --n-head)")
+    p.add_argument("--gdn-parallel", choices=["ulysses", "context"], default="ulysses", help="how Gated DeltaNet "
+                   "layers run under SP: ulysses, whole value heads of the whole sequence a rank (at most one rank a "
+                   "value head, no ring); context, each rank its tokens, the state's summaries gathered (any --sp, "
+                   "beside a ring)")
     p.add_argument("--data", help="a text file to train on, as bytes (default: the copy task)")
     p.add_argument("--pack", action="store_true", help="several documents in each sequence (text: its paragraphs; "
                    "copy task: documents of random lengths); attention stays inside each document")
@@ -211,10 +215,10 @@ def check_args(args, world_size):
             ulysses.head_layout(args.n_head, args.n_kv_head, args.sp // args.ring)
     except ValueError as e:
         fail(e)
-    if "d" in args.layer_pattern and args.sp > cfg.gdn_v_heads:
+    if "d" in args.layer_pattern and args.gdn_parallel == "ulysses" and args.sp > cfg.gdn_v_heads:
         fail(f"--sp {args.sp} is larger than the {cfg.gdn_v_heads} value heads of a Gated DeltaNet layer: a rank would "
              f"hold none; choose --sp in {{{', '.join(str(p) for p in range(1, cfg.gdn_v_heads + 1))}}} or more "
-             f"--gdn-v-heads")
+             f"--gdn-v-heads, or --gdn-parallel context")
     if args.offload and not args.recompute:
         fail("--offload keeps the block inputs that --recompute saves in CPU memory; add --recompute")
     if args.device == "cuda" and not torch.cuda.is_available() and args.plan is None:
@@ -231,8 +235,9 @@ def ring_refusal(args):
     """The first flag that keeps a ring from running, with the reason; "" when a ring can run."""
     for flag, used, reason in (("--pack", args.pack, "the ring attends one document a row"),
                                ("--compile", args.compile, "the ring's sends are not traced"),
-                               ("Gated DeltaNet layers (d in --layer-pattern)", "d" in args.layer_pattern,
-                                "their recurrence needs the tokens in order")):
+                               ("--gdn-parallel ulysses", "d" in args.layer_pattern and args.gdn_parallel == "ulysses",
+                                "its Gated DeltaNet layers need whole heads of the whole sequence "
+                                "(--gdn-parallel context runs beside a ring)")):
         if used:
             return f"{flag}: {reason}"
     return ""
@@ -240,7 +245,7 @@ def ring_refusal(args):
 
 def model_config(args):
     return GPTConfig(**{name: getattr(args, name) for name in MODEL_FIELDS}, tiles=args.tiles,
-                     recompute=args.recompute, offload=args.offload)
+                     recompute=args.recompute, offload=args.offload, gdn_parallel=args.gdn_parallel)
 
 
 def model_flags(args):

@@ -97,12 +97,18 @@ def predict_memory(cfg, tokens, batch, sp, ring_size, world_size, zero, cuda, bf
     # q k^T and q k^T * decay); 16 numbers a head (gates, norms, decays); the carried state [Dk, Dv] a head once a
     # chunk, twice; C + 2 masks of one byte. All but the first 2kd + 7vd are float32 in bf16 too:
     # gated_delta_net runs with autocast off.
+    # The context-parallel way keeps every head of the local tokens, its kernel's v has Dk zero columns more, and
+    # it adds what a starting state gives each output (2vd_).
     C, Dk, Dv = 64, cfg.gdn_k_dim, cfg.gdn_v_dim
     kd, vd = cfg.gdn_k_heads * Dk, cfg.gdn_v_heads * Dv
-    layout = ulysses.head_layout(cfg.gdn_v_heads, cfg.gdn_k_heads, sp if "d" in cfg.layer_pattern else 1)
-    hv, hk = (max(map(len, heads)) * sp for heads in layout)  # the kernel's value and key heads, per local token
+    ranks = 1 if cfg.gdn_parallel == "context" else sp  # the ranks a layer's heads are split over
+    layout = ulysses.head_layout(cfg.gdn_v_heads, cfg.gdn_k_heads, ranks if "d" in cfg.layer_pattern else 1)
+    hv, hk = (max(map(len, heads)) * ranks for heads in layout)  # the kernel's value and key heads, per local token
     kd_, vd_, kv = hk * Dk, hv * Dv, hv * Dk
-    kernel = (5 + 2) * kv + (4 + 2) * vd_ + 7 * C * hv + 16 * hv + 2 * Dk * Dv * hv / C
+    context = cfg.gdn_parallel == "context"
+    v_width = hv * (Dv + Dk) if context else vd_  # the kernel's v elements per local token
+    kernel = ((5 + 2) * kv + (4 + 2) * v_width + 7 * C * hv + 16 * hv + 2 * Dk * v_width / C +
+              (2 * vd_ if context else 0))
     deltanet = 2 * kd + 7 * vd + wide * (3 * (2 * kd_ + vd_) + kernel) + (C + 2) / e
     kept = {"a": norms + attention + mlp, "d": norms + deltanet + mlp}
     layers = [kept[block.kind] for block in model.blocks]

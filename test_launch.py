@@ -40,8 +40,9 @@ from gpt import GPT, GPTConfig
     (4, ["--layer-pattern", "d", "--gdn-k-heads", "1", "--gdn-v-heads", "2"],
      r"--sp 4 is larger than the 2 value heads of a Gated DeltaNet layer: a rank would hold none; choose --sp in "
      r"\{1, 2\} or more --gdn-v-heads"),
-    (4, ["--ring", "2", "--layer-pattern", "da"], r"--ring 2 cannot be used with Gated DeltaNet layers \(d in "
-                                                  r"--layer-pattern\): their recurrence needs the tokens in order"),
+    (4, ["--ring", "2", "--layer-pattern", "da"], r"--ring 2 cannot be used with --gdn-parallel ulysses: its Gated "
+                                                  r"DeltaNet layers need whole heads of the whole sequence "
+                                                  r"\(--gdn-parallel context runs beside a ring\); use --ring 1"),
     (4, ["--ring", "2", "--pack"], r"--ring 2 cannot be used with --pack: the ring attends one document a row"),
     (4, ["--n-head", "8", "--n-kv-head", "6"], r"n_head=8 is not a multiple of n_kv_head=6"),
     (1, ["--metrics", "{empty}/metrics.jsonl"],

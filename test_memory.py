@@ -104,3 +104,16 @@ def test_ring_summary_plan_and_memory(capsys, monkeypatch):
     args = launch.parse_args(argv)
     launch.check_args(args, 4)
     assert abs(memory.predicted(args, 4)["peak"] / peak - 1) < 0.2, (memory.predicted(args, 4)["peak"], peak)
+
+
+@pytest.mark.parametrize("world_size, argv", [(4, ["--sp", "4"]), (4, ["--sp", "4", "--ring", "2"])],
+                         ids=["sp4", "ulysses2xring2"])
+def test_context_memory_prediction_is_within_20_percent(world_size, argv):
+    """memory.predict_memory counts what the context way keeps: within 20% of the measured peak of the busiest
+    rank, as for the other layouts (test_memory_prediction_is_within_20_percent)."""
+    argv += ["--layer-pattern", "ddda", "--gdn-parallel", "context", "--seq-len", "4096"]
+    peak = max(peaks[0] for peaks in run_ranks(world_size, _memory_rank, [argv]))
+    args = launch.parse_args(argv + ["--batch-size", "1"])
+    launch.check_args(args, world_size)
+    predicted = memory.predicted(args, world_size)["peak"]
+    assert abs(predicted / peak - 1) < 0.2, (predicted, peak)

@@ -9,11 +9,10 @@ from functools import partial
 import pytest
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
 
 import ring
 import ulysses
-from conftest import assert_all_close, qkv, run_ranks
+from conftest import assert_all_close, qkv, run_ranks, usp_groups
 
 
 RING_CASES = [("zigzag", torch.float64, None), ("contiguous", torch.float64, None), ("zigzag", torch.float32, None),
@@ -71,16 +70,9 @@ def test_ring_attention_matches_one_device(R):
         assert ring.ring_bytes(R, kv_bytes, dkv_bytes) == (expected["forward"]["bytes"], expected["backward"]["bytes"])
 
 
-def _usp_groups(U, R):
-    """(Ulysses group, ring group) of this rank when the world is an SP group of U x R: U consecutive ranks form
-    a Ulysses group, and the ranks at the same place in each Ulysses group a ring."""
-    mesh = init_device_mesh("cpu", (R, U), mesh_dim_names=("ring", "ulysses"))
-    return mesh.get_group("ulysses"), mesh.get_group("ring")
-
-
 def _usp_rank(rank, P, U, R, heads, cases):
     ring.QUERY_TILE = 5  # several query tiles a block
-    ulysses_group, ring_group = _usp_groups(U, R)
+    ulysses_group, ring_group = usp_groups(U, R)
     S = 24
     index = ulysses.shard_for_sp(*[torch.arange(S)[None]] * 3, ulysses_group, ring_group)[0][0]  # my global tokens
     results = []

@@ -212,3 +212,42 @@ def test_torchrun_train_exits_zero(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     assert re.search(r"all-to-all of rank 0 per step: ([\d,]+) bytes sent \(formula \1 bytes\)", done.stdout)
     assert [json.loads(line)["step"] for line in metrics.read_text().splitlines()] == [1, 2, 3]
+
+
+# ================================================================================================================
+# --gdn-parallel context trains as one process does
+
+HYBRID = TRAIN_ARGS + ["--seq-len", "61", "--lr", "5e-4"] + GDN_SHAPE  # 61: padded to the multiple of sp (2 sp)
+MODELS = {"dda": ["--layer-pattern", "dda", "--n-layer", "3"], "ddda packed": ["--layer-pattern", "ddda", "--pack"]}
+CONTEXT_LAYOUTS = [  # (model, layout)
+    ("dda", ["--sp", "4", "--batch-size", "8"]),
+    ("dda", ["--sp", "4", "--ring", "2", "--batch-size", "8"]),  # USP for the a layers, context over all 4 for d
+    ("dda", ["--sp", "2", "--batch-size", "4", "--zero", "0"]),
+    ("ddda packed", ["--sp", "4", "--batch-size", "8"]),
+]
+
+
+def test_context_training_equals_one_process():
+    """--gdn-parallel context: 20 steps of a hybrid model with Qwen3-Next's head ratio on sp 4, on Ulysses 2 x ring
+    2 (zigzag order), dp 2 x sp 2 and with packed documents give the one-process losses and gradient norms within
+    1e-5."""
+    argv = lambda model: HYBRID + MODELS[model] + ["--gdn-parallel", "context"]
+    references = run_ranks(1, _train_rank, [(argv(m) + ["--batch-size", "8"], None) for m in MODELS])[0]
+    reference = dict(zip(MODELS, (history for history, _ in references)))
+    per_rank = run_ranks(4, _train_rank, [(argv(model) + layout, None) for model, layout in CONTEXT_LAYOUTS])[0]
+    for (model, layout), (history, _) in zip(CONTEXT_LAYOUTS, per_rank):
+        assert_same_training(history, reference[model], f"{model} {' '.join(layout)}")
+
+
+def test_context_bf16_training_matches_one_bf16_process():
+    """bf16 on Ulysses 2 x ring 2 with the context way against one bf16 process, within the bf16
+    tolerances (2^-9 of the loss, 2^-6 of the gradient norm: see test_bf16_training_matches_one_device); the
+    summary prints the bytes the context way sent, equal to the formula."""
+    argv = HYBRID + MODELS["dda"] + ["--gdn-parallel", "context", "--dtype", "bfloat16", "--steps", "10"]
+    [(reference, _, _, _)] = run_ranks(1, _bf16_rank, [argv + ["--batch-size", "8"]])[0]
+    [(history, _, _, printed)] = run_ranks(4, _bf16_rank, [argv + ["--sp", "4", "--ring", "2", "--batch-size", "8"]])[0]
+    for key, rtol in (("loss", 2**-9), ("grad_norm", 2**-6)):
+        torch.testing.assert_close([r[key] for r in history], [r[key] for r in reference], rtol=rtol, atol=0)
+    sent = re.search(r"context-parallel Gated DeltaNet of rank 0 per step: ([\d,]+) bytes sent \(formula ([\d,]+) "
+                     r"bytes\)", printed)
+    assert sent and sent.group(1) == sent.group(2) != "0", printed

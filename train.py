@@ -51,6 +51,7 @@ from tqdm import tqdm
 
 import checkpoint
 import data
+import deltanet
 import launch
 import memory
 import ring
@@ -137,6 +138,7 @@ def train(args, world_size, mesh, device, documents, resume_from, control):
     history = []
     ulysses.reset_all_to_all_stats()
     ring.reset_ring_stats()
+    deltanet.reset_context_stats()
     bar = tqdm(range(start_step, args.steps), disable=rank != 0, dynamic_ncols=True, initial=start_step,
                total=args.steps)
     progress = launch.StepProgress(model, bar)
@@ -259,9 +261,15 @@ def summarize(args, history, model, optimizer, n_params, world_size, device, ran
           f"layer per micro-step: {calls(sent, 'forward'):g} forward, {calls(sent, 'backward'):g} backward")
     if args.ring > 1:
         sent = ring.ring_stats
-        formula = count(block.attn.ring_bytes(tokens, element_bytes, args.ring) for block in model.blocks)
+        formula = count(block.attn.ring_bytes(tokens, element_bytes, args.ring) for block in model.blocks
+                        if block.kind == "a")
         print(f"ring of rank 0 per step: {measured(sent):,.0f} bytes sent (formula {formula:,} bytes); sends per "
               f"layer per micro-step: {calls(sent, 'forward'):g} forward, {calls(sent, 'backward'):g} backward")
+    if "d" in args.layer_pattern and args.gdn_parallel == "context":  # Gated DeltaNet's gathers, any seq-len
+        formula = count(block.attn.context_bytes(args.batch_size, tokens // args.batch_size, element_bytes)
+                        for block in model.blocks if block.kind == "d")
+        sent = sum(deltanet.context_stats.values()) / len(history)
+        print(f"context-parallel Gated DeltaNet of rank 0 per step: {sent:,.0f} bytes sent (formula {formula:,} bytes)")
     heads = [len(r) for r in ulysses.head_layout(args.n_head, args.n_kv_head, args.sp // args.ring)[0]] \
         if "a" in args.layer_pattern else []
     if len(set(heads)) > 1:  # uneven: the rank with the most heads does the most attention work
