@@ -90,7 +90,7 @@ import torch.nn.functional as F
 
 from ring import token_index
 from tiled import at_least_float32
-from ulysses import (_collective, all_to_all_bytes, document_bounds, head_layout, heads_to_seq, seq_to_heads,
+from ulysses import (_gloo_lets_go, all_to_all_bytes, document_bounds, head_layout, heads_to_seq, seq_to_heads,
                      size_and_rank)
 
 
@@ -198,8 +198,8 @@ def _all_to_all_sum(grad, group):
     P = grad.shape[0]
     send = grad.contiguous()
     received = torch.empty_like(send)  # (P, ...): row i is rank i's gradient of my piece
-    # dist.all_to_all_single(received, send, group=group), waiting until gloo has let go (ulysses._collective)
-    _collective(dist.all_to_all_single, [received, send], received, send, group=group)
+    with _gloo_lets_go(received, send):  # which waits, after the call, until gloo has let go of the tensors
+        dist.all_to_all_single(received, send, group=group)
     context_stats["backward"] += send.nbytes * (P - 1) // P  # row `rank` stays here
     return received.sum(0)
 
@@ -220,8 +220,8 @@ class _GatherThen(torch.autograd.Function):
                 every = every[None]
                 continue
             parts = [torch.empty_like(every) for _ in range(P)]
-            # dist.all_gather(parts, every, group=group), waiting until gloo has let go (ulysses._collective)
-            _collective(dist.all_gather, [every, *parts], parts, every, group=group)
+            with _gloo_lets_go(every, *parts):
+                dist.all_gather(parts, every, group=group)
             context_stats["forward"] += every.nbytes * (P - 1)  # mine, to each other rank
             every = torch.stack(parts)  # (U, n, ...), then (R, U, n, ...)
         ctx.context, ctx.fn = context, fn
