@@ -174,8 +174,9 @@ def kernel_kv_heads(n_head, n_kv_head, P, rank):
     expanded to one kv head per query head, after the all-to-all, never on the wire."""
     query_heads, kv_heads = head_layout(n_head, n_kv_head, P)
     hq, hkv = len(query_heads[rank]), len(kv_heads[rank])
-    uses = [h // (n_head // n_kv_head) - kv_heads[rank].start for h in query_heads[rank]]
-    return uses if hq % hkv or uses != [i // (hq // hkv) for i in range(hq)] else list(range(hkv))
+    uses = [h // (n_head // n_kv_head) - kv_heads[rank].start for h in query_heads[rank]]  # each query head's kv head
+    grouped = hq % hkv == 0 and uses == [i // (hq // hkv) for i in range(hq)]  # as the kernel would pair them
+    return list(range(hkv)) if grouped else uses
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -248,8 +249,10 @@ def _exchange_op(tensors: list[torch.Tensor], head_bounds: list[int], to_heads: 
     heads = _head_ranges(head_bounds, len(tensors))  # per tensor, one range of heads per rank
     S_local = tensors[0].shape[1] if to_heads else tensors[0].shape[1] // P
     tokens = [range(i * S_local, (i + 1) * S_local) for i in range(P)]  # rank i's tokens in the full sequence
-    send, receive = (heads, [tokens] * len(tensors)) if to_heads else ([tokens] * len(tensors), heads)
-    split_dim, join_dim = (2, 1) if to_heads else (1, 2)
+    if to_heads:  # cut each tensor by heads (dim 2), join what arrives by tokens (dim 1)
+        send, receive, split_dim, join_dim = heads, [tokens] * len(tensors), 2, 1
+    else:  # cut by tokens, join by heads
+        send, receive, split_dim, join_dim = [tokens] * len(tensors), heads, 1, 2
     others = [j for j in range(P) if j != rank]
     # pieces[j]: what rank j gets, tensor by tensor, as views of the inputs
     pieces = [[t.narrow(split_dim, ranges[j].start, len(ranges[j])) for t, ranges in zip(tensors, send)]
