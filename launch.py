@@ -8,12 +8,15 @@ hanging, and a copy that exits 0 from a failed run tells its node's launcher tha
   1. every rank checks the flags on its own, before any process waits on another (`check_args`): they all find
      the same mistake, rank 0 prints it, and every rank exits 1;
   2. then the process group, and the dp x ring x ulysses mesh on it (`process_groups`), plus a gloo "control"
-     group whose waits have no deadline, for agreeing on problems; every rank beats in the group's store;
+     group whose waits have no deadline, for agreeing on problems; every rank beats in the group's store. Before
+     the mesh, the ranks compare their flags, and after reading the data its bytes (`same_everywhere`): nodes
+     started with other flags, or with a stale copy of the data, stop with one line instead of training wrong;
   3. what one rank may find alone (its data file, its memory, its disk) is agreed in one small all-gather
      (`agreed`): if any rank found a problem, every rank exits 1. The rank that found it prints its line, naming
      itself; rank 0 prints it too when it runs on another node, so each node's log says why its run failed;
   4. a collective that fails (a peer died, or waited past --timeout) ends its rank with one line naming the
-     collective and the ranks whose beat stopped (`collective_failure`), not a traceback.
+     collective and the ranks whose beat stopped (`collective_failure`), not a traceback;
+  5. SIGINT (Ctrl-C) or SIGTERM ends a rank at once with one line (`one_line_errors`).
 
 A mistake is one line, `train.py: error: ...`, never a traceback and never a hang. Each node's torchrun judges
 the run by its own workers' exit statuses alone, so every rank of a failed run exits non-zero.
