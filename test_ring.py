@@ -16,9 +16,11 @@ import ulysses
 from conftest import assert_all_close, qkv, run_ranks
 
 
-RING_CASES = [("zigzag", torch.float64, None), ("contiguous", torch.float64, None), ("zigzag", torch.float32, None),
-              ("contiguous", torch.float32, None), ("zigzag", torch.float64, 3),
-              ("zigzag", torch.bfloat16, None)]  # (layout, dtype, window)
+RING_CASES = [("zigzag", torch.float64, None, True), ("contiguous", torch.float64, None, True),
+              ("zigzag", torch.float32, None, True), ("contiguous", torch.float32, None, True),
+              ("zigzag", torch.float64, 3, True), ("zigzag", torch.bfloat16, None, True),
+              ("zigzag", torch.float64, None, False), ("contiguous", torch.float32, None, False),
+              ("zigzag", torch.bfloat16, None, False)]  # (layout, dtype, window, fused)
 # bf16: the ring computes in float32 from bf16 inputs, against one device in float64 from the same bf16 numbers;
 # what remains is the rounding of each result to bf16 (8 significant bits: 2^-9 relative) and a float32 sum
 TOLERANCE = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 2 ** -7}
@@ -35,11 +37,11 @@ def _full_attention(q, k, v, window, grad_out):
 def _ring_rank(rank, R, cases):
     ring.QUERY_TILE = 5  # several query tiles a block
     results = []
-    for layout, dtype, window in cases:
+    for layout, dtype, window, fused in cases:
         index = ring.token_index(layout, rank, R, 24 // R)
         q, k, v, grad_out = (t.to(dtype)[:, index].requires_grad_() for t in qkv(2, 24, 4, 2, 8))
         ring.reset_ring_stats()
-        out = ring.ring_attention(q, k, v, dist.group.WORLD, layout, window)
+        out = ring.ring_attention(q, k, v, dist.group.WORLD, layout, window, fused)
         out.backward(grad_out)
         results.append(([out.detach(), q.grad, k.grad, v.grad], {d: dict(c) for d, c in ring.ring_stats.items()}))
     return results
@@ -49,11 +51,12 @@ def _ring_rank(rank, R, cases):
 def test_ring_attention_matches_one_device(R):
     """Output and dq, dk, dv of ring attention on R ranks against one device: batch 2, GQA (4 query heads, 2 kv
     heads), zigzag and contiguous layouts, float64 within 1e-12 and float32 within 1e-5, bf16 within its rounding
-    (outputs and gradients come back in bf16), and a sliding window.
+    (outputs and gradients come back in bf16), and a sliding window; the fused block kernel and the einsum
+    tiles alike.
     Each rank sends R-1 key/value blocks forward; backward those again and R dk/dv accumulators in float32. A
     backward that computed with the wrong block (the first one, say, instead of the one that arrived) fails."""
     per_rank = run_ranks(R, _ring_rank, RING_CASES)
-    for i, (layout, dtype, window) in enumerate(RING_CASES):
+    for i, (layout, dtype, window, fused) in enumerate(RING_CASES):
         q, k, v, grad_out = (t.to(dtype) for t in qkv(2, 24, 4, 2, 8))
         want = [t.to(dtype) for t in _full_attention(*(t.double() for t in (q, k, v)), window, grad_out.double())]
         got = [torch.zeros_like(t) for t in want]
@@ -62,7 +65,7 @@ def test_ring_attention_matches_one_device(R):
             for full, part in zip(got, per_rank[rank][i][0]):
                 full[:, index] = part
         tolerance = TOLERANCE[dtype]
-        assert_all_close(got, want, tolerance, tolerance, where=f"R={R} {layout} {dtype} window={window}")
+        assert_all_close(got, want, tolerance, tolerance, where=f"R={R} {layout} {dtype} window={window} fused={fused}")
         kv_bytes = 2 * 2 * (24 // R) * 2 * 8 * dtype.itemsize  # k and v: B * L * Hkv * D elements each
         dkv_bytes = kv_bytes * 4 // min(4, dtype.itemsize)  # their gradients, in float32 or wider
         expected = {"forward": {"calls": R - 1, "bytes": (R - 1) * kv_bytes},
@@ -124,3 +127,18 @@ def test_ring_work_is_balanced_by_zigzag():
         assert contiguous == sorted(contiguous) and contiguous[-1] == R * contiguous[0], R
     # zigzag on R ranks: my own block (a causal pair of chunks) and half of each other block
     assert ring.ring_work(4, 8, "zigzag") == [8 * 8 + 3 * 8 * 4] * 4
+
+
+def test_fused_kernel_covers_every_block_without_a_window():
+    """Without a window every block a ring meets, cut to what its queries see, is one of the two masks the fused
+    kernel takes: every key, or causal on the diagonal. With a window the cut blocks need the einsum tiles."""
+    for R in (1, 2, 3, 4):
+        for layout, window, fused in (("zigzag", None, True), ("contiguous", None, True), ("zigzag", 3, False)):
+            for r in range(R):
+                mine = ring.token_index(layout, r, R, 8)
+                for j in range(R):
+                    lo, hi = ring.key_ranges(mine, ring.token_index(layout, j, R, 8), window)
+                    if (part := ring.cut(lo, hi)) is not None:
+                        rows, cols = part
+                        mask = ring._fused_mask(lo[rows] - cols.start, hi[rows] - cols.start, cols.stop - cols.start)
+                        assert (mask is not None) == fused, (R, layout, window, r, j)
