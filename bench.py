@@ -460,7 +460,7 @@ def _usp_rank(rank, P, args):
         ulysses_group, ring_group = groups[U, R]
         inputs = [t.detach().requires_grad_() for t in tensors]
         attend = (ulysses.causal_attention if kernel == "sdpa" else
-                  partial(ring.ring_attention, group=ring_group, fused=kernel == "fused"))
+                  partial(ring.ring_attention, group=ring_group, layout="zigzag", fused=kernel == "fused"))
         out = ulysses.ulysses_attention(*inputs, ulysses_group, attend)
         return torch.autograd.grad(out, inputs, torch.ones_like(out))
 

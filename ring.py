@@ -38,7 +38,7 @@ Then every block from another rank costs half a block of work on every rank (`ri
 USP. An SP group of P = U x R ranks: U consecutive ranks form a Ulysses group, and the ranks at the same place
 in each of the R Ulysses groups form a ring. This is all it takes:
 
-    ulysses_attention(q, k, v, ulysses_group, attn_fn=partial(ring_attention, group=ring_group))
+    ulysses_attention(q, k, v, ulysses_group, partial(ring_attention, group=ring_group, layout="zigzag"))
 
 The all-to-all gives each rank whole heads of its ring block, the ring runs over the blocks, and the all-to-all
 gives the heads back. ulysses.shard_for_sp lays the tokens out in the zigzag order for it.
@@ -48,9 +48,11 @@ or PyTorch's on CUDA), with einsum tiles beside it as the readable reference, an
 does not take (a sliding window's).
 
 The file reads down the call path: `ring_attention`, the ring itself (forward and backward), one step of it, the
-attention over one block, and last the token layout and the plumbing (with the fused kernels). It depends on torch alone (2.6 or later):
-copy it into your own project. `python bench.py ring` measures it.
+attention over one block, and last the token layout and the plumbing (with the fused kernels). It depends on torch
+alone (2.6 or later): copy it into your own project. `python bench.py ring` measures it.
 """
+
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -62,27 +64,39 @@ except ImportError:
     _flash_attn_forward = _flash_attn_backward = None
 
 
-def ring_attention(q, k, v, group=None, layout="zigzag", window=None, fused=True):
-    """Causal attention over a sequence whose tokens are split over the R ranks of `group`.
+def ring_attention(q, k, v, group=None, layout=None, window=None, causal=True, scale=None, return_lse=False,
+                   fused=True):
+    """Attention over a sequence whose tokens are split over the R ranks of `group`, causal unless causal=False.
 
     q [B, L, Hq, D], k and v [B, L, Hkv, D] with Hq a multiple of Hkv: this rank's L tokens, laid out as
-    `layout` says ("zigzag": chunks r and 2R-1-r of 2R; "contiguous": tokens [r*L, (r+1)*L)). Returns
-    [B, L, Hq, D]. window: sliding-window attention over the last `window` tokens. fused=False computes every
-    block with the einsum tiles (the reference) instead of the fused kernel. Differentiable; forward and
+    `layout` says, which a ring of several ranks needs stated, as the tokens were sharded: "zigzag" (chunks r
+    and 2R-1-r of 2R, what ulysses.shard_for_sp gives with a ring group) or "contiguous" (tokens [r*L, (r+1)*L)).
+    Returns [B, L, Hq, D], and with return_lse=True also the log-sum-exp of each query's scores [B, L, Hq] in
+    float32 (not differentiable). window: sliding-window attention over the last `window` tokens. scale: of the
+    scores, 1/sqrt(D) by default. fused=False computes every block with the einsum tiles (the reference) instead
+    of the fused kernel. Ranks whose q, k or v differ in shape or dtype get one ValueError on every rank, naming
+    each rank's value (one all-gather of 8 numbers a call). Differentiable; forward and
     backward each move R-1 key/value blocks per rank, backward also R dk/dv blocks (in float32, or float64 for
     float64 inputs).
     group=None or a group of one rank: attention over this rank's tokens alone.
     """
-    if layout not in ("zigzag", "contiguous"):
-        raise ValueError(f"layout={layout!r}; choose 'zigzag' or 'contiguous'")
+    R = size_and_rank(group)[0]
+    if R > 1 and layout not in ("zigzag", "contiguous"):
+        raise ValueError(f"layout={layout!r}: a ring of {R} ranks needs the layout its tokens were sharded in, "
+                         f"'zigzag' (ulysses.shard_for_sp with a ring group) or 'contiguous'")
+    if window and not causal:
+        raise ValueError("a sliding window looks back from each query: use it with causal=True")
     if k.shape != v.shape or q.shape[:2] != k.shape[:2] or q.shape[2] % k.shape[2]:
         raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}: want q [B, L, Hq, D] and k, v "
                          f"[B, L, Hkv, D] with Hq a multiple of Hkv")
-    if layout == "zigzag" and q.shape[1] % 2:
+    if R > 1 and layout == "zigzag" and q.shape[1] % 2:
         raise ValueError(f"{q.shape[1]} tokens on this rank: zigzag holds two equal chunks, so an even number "
                          f"(shard_for_sp pads the sequence to a multiple of 2 x the SP size)")
-    return _RingAttention.apply(q, k, v, group, layout if size_and_rank(group)[0] > 1 else "contiguous", window,
-                                fused)
+    if R > 1 and not torch.compiler.is_compiling():
+        check_same_inputs(q, k, group)
+    mask = Mask(layout if R > 1 else "contiguous", window, causal, q.shape[-1] ** -0.5 if scale is None else scale)
+    out, lse = _RingAttention.apply(q, k, v, group, mask, fused)
+    return (out, lse.transpose(1, 2)) if return_lse else out  # lse (B, Hq, L) -> (B, L, Hq)
 
 
 class _RingAttention(torch.autograd.Function):
@@ -91,19 +105,20 @@ class _RingAttention(torch.autograd.Function):
     the block kernels take them: views of the [B, L, heads, D] inputs, no copies."""
 
     @staticmethod
-    def forward(ctx, q, k, v, group, layout, window, fused):
+    def forward(ctx, q, k, v, group, mask, fused):
         R, r = size_and_rank(group)
         B, L, Hq, D = q.shape
-        mine = token_index(layout, r, R, L)
+        mine = token_index(mask.layout, r, R, L)
         with torch.autocast(q.device.type, enabled=False):  # the whole ring in float32 (or float64), whatever autocast
             q_heads = _wide(q).transpose(1, 2)  # (B, L, Hq, D) -> (B, Hq, L, D), a view
             kv = torch.stack([k, v])  # (2, B, L, Hkv, D): one message a step, in the input dtype
             for step in range(R):  # at step s this rank holds the block of rank r - s
                 if step < R - 1:
                     incoming = pass_on(kv, group, "forward")  # sent while this block is computed on
-                if (block := _block(mine, layout, (r - step) % R, R, window, kv)) is not None:
+                if (block := _block(mine, mask, (r - step) % R, R, kv)) is not None:
                     rows, _, lo, hi, block_k, block_v = block
-                    block_out, block_lse = block_attention(q_heads[:, :, rows], block_k, block_v, lo, hi, fused)
+                    block_out, block_lse = block_attention(q_heads[:, :, rows], block_k, block_v, lo, hi, mask.scale,
+                                                           fused)
                     if step == 0:  # my own block: every query sees itself, so every row is filled here
                         out, lse = block_out, block_lse  # (B, Hq, L, D), (B, Hq, L)
                     else:
@@ -112,17 +127,18 @@ class _RingAttention(torch.autograd.Function):
                     kv = arrived(*incoming)
         out = out.transpose(1, 2).to(q.dtype)  # (B, Hq, L, D) -> (B, L, Hq, D)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.group, ctx.layout, ctx.window, ctx.fused = group, layout, window, fused
-        return out
+        ctx.group, ctx.mask, ctx.fused = group, mask, fused
+        ctx.mark_non_differentiable(lse)
+        return out, lse
 
     @staticmethod
-    def backward(ctx, dout):
+    def backward(ctx, dout, _):
         q, k, v, out, lse = ctx.saved_tensors
-        group, layout, window, fused = ctx.group, ctx.layout, ctx.window, ctx.fused
+        group, mask, fused = ctx.group, ctx.mask, ctx.fused
         R, r = size_and_rank(group)
         B, L, Hq, D = q.shape
         Hkv, dtype = k.shape[2], q.dtype
-        mine = token_index(layout, r, R, L)
+        mine = token_index(mask.layout, r, R, L)
         with torch.autocast(q.device.type, enabled=False):
             q, out, dout = (_wide(t).transpose(1, 2) for t in (q, out, dout))  # (B, L, Hq, D) -> (B, Hq, L, D)
             wide = torch.promote_types(dtype, torch.float32)  # the accumulators: float32, or float64
@@ -132,11 +148,11 @@ class _RingAttention(torch.autograd.Function):
                 if step < R - 1:
                     incoming = pass_on(kv, group, "backward")
                 dkv = dq.new_zeros(2, B, Hkv, L, D)  # this step's share of the block's dk and dv, a new buffer
-                if (block := _block(mine, layout, (r - step) % R, R, window, kv)) is not None:
+                if (block := _block(mine, mask, (r - step) % R, R, kv)) is not None:
                     rows, cols, lo, hi, block_k, block_v = block
                     block_dq, block_dk, block_dv = block_gradients(
                         q[:, :, rows], block_k, block_v, out[:, :, rows], lse[:, :, rows], dout[:, :, rows], lo, hi,
-                        fused)
+                        mask.scale, fused)
                     dq[:, :, rows] += block_dq
                     dkv[0, :, :, cols] += block_dk
                     dkv[1, :, :, cols] += block_dv
@@ -147,7 +163,7 @@ class _RingAttention(torch.autograd.Function):
                 if step < R - 1:
                     kv = arrived(*incoming)
             dk, dv = arrived(*accumulator).transpose(2, 3)  # my own block's, with every rank's term: (B, L, Hkv, D)
-        return dq.transpose(1, 2).to(dtype), dk.to(dtype), dv.to(dtype), None, None, None, None
+        return dq.transpose(1, 2).to(dtype), dk.to(dtype), dv.to(dtype), None, None, None
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -172,11 +188,11 @@ def arrived(received, works):
     return received
 
 
-def _block(mine, layout, rank, R, window, kv):
+def _block(mine, mask, rank, R, kv):
     """What my queries need of the key/value block of ring rank `rank`, held in kv [2, B, L, Hkv, D]: None if they
     see none of it, else (rows, cols: the cut, as slices; the rows' (lo, hi) within cols; the keys and values of
     cols, head-major and in float32 (or float64))."""
-    lo, hi = key_ranges(mine, token_index(layout, rank, R, kv.shape[2]), window)
+    lo, hi = key_ranges(mine, token_index(mask.layout, rank, R, kv.shape[2]), mask.window, mask.causal)
     if (part := cut(lo, hi)) is None:
         return None
     rows, cols = part
@@ -202,17 +218,17 @@ def _block(mine, layout, rank, R, window, kv):
 QUERY_TILE = 512
 
 
-def block_attention(q, k, v, lo, hi, fused=True):
+def block_attention(q, k, v, lo, hi, scale, fused=True):
     """(output normalized over this block's keys [B, Hq, Lq, D], its log-sum-exp [B, Hq, Lq]), query i seeing keys
     lo[i] .. hi[i] - 1. A query that sees no key of the block gets output 0 and lse -inf, which `merge` ignores."""
     if fused and (mask := _fused_mask(lo, hi, k.shape[2])) is not None:
-        return _fused_kernels(q)[0](q, k, v, mask == "causal")
+        return _fused_kernels(q)[0](q, k, v, mask == "causal", scale)
     G = q.shape[1] // k.shape[1]  # query heads per kv head
     q = q.unflatten(1, (k.shape[1], G))  # (B, Hq, Lq, D) -> (B, Hkv, G, Lq, D)
     out = q.new_zeros(*q.shape[:-1], v.shape[-1])  # (B, Hkv, G, Lq, D)
     lse = q.new_full(q.shape[:-1], float("-inf"))  # (B, Hkv, G, Lq)
     for queries, keys, mask in _tiles(lo, hi, q.device):
-        scores = _scores(q[..., queries, :], k[:, :, keys], mask)  # (B, Hkv, G, T, keys)
+        scores = _scores(q[..., queries, :], k[:, :, keys], mask, scale)  # (B, Hkv, G, T, keys)
         tile_lse = scores.logsumexp(-1)  # (B, Hkv, G, T): log of the softmax's normalizer over these keys
         p = scores.sub_(tile_lse.masked_fill(tile_lse == float("-inf"), 0)[..., None]).exp_()  # softmax, in place
         out[..., queries, :] = torch.einsum("bhgqk,bhkd->bhgqd", p, v[:, :, keys])
@@ -226,22 +242,23 @@ def merge(out, lse, block_out, block_lse):
     lse.sub_(F.logsigmoid(lse - block_lse))  # log(e^lse_a + e^lse_b) = lse_a - log sigmoid(lse_a - lse_b)
 
 
-def block_gradients(q, k, v, out, lse, dout, lo, hi, fused=True):
+def block_gradients(q, k, v, out, lse, dout, lo, hi, scale, fused=True):
     """dq, dk, dv of one block, given the FINAL output and lse of my queries, so that p below is their true
     attention to this block's keys, and delta = rowsum(dout * out) the softmax's true correction: the softmax's
     backward, block by block. Shapes as block_attention's; dk and dv [B, Hkv, Lk, D]."""
     if fused and (mask := _fused_mask(lo, hi, k.shape[2])) is not None:
-        return _fused_kernels(q)[1](dout, q, k, v, out, lse, mask == "causal")
+        return _fused_kernels(q)[1](dout, q, k, v, out, lse, mask == "causal", scale)
     Hkv, G = k.shape[1], q.shape[1] // k.shape[1]
     q, out, dout = (t.unflatten(1, (Hkv, G)) for t in (q, out, dout))  # (B, Hq, Lq, D) -> (B, Hkv, G, Lq, D)
     lse = lse.unflatten(1, (Hkv, G))  # (B, Hkv, G, Lq)
     delta = (dout * out).sum(-1)  # (B, Hkv, G, Lq)
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     for queries, keys, mask in _tiles(lo, hi, q.device):
-        p = _scores(q[..., queries, :], k[:, :, keys], mask).sub_(lse[..., queries, None]).exp_()  # (B, Hkv, G, T, keys)
+        scores = _scores(q[..., queries, :], k[:, :, keys], mask, scale)  # (B, Hkv, G, T, keys)
+        p = scores.sub_(lse[..., queries, None]).exp_()  # the block's share of the final softmax
         dv[:, :, keys] += torch.einsum("bhgqk,bhgqd->bhkd", p, dout[..., queries, :])
         dp = torch.einsum("bhgqd,bhkd->bhgqk", dout[..., queries, :], v[:, :, keys])  # (B, Hkv, G, T, keys)
-        dscores = dp.sub_(delta[..., queries, None]).mul_(p).mul_(q.shape[-1] ** -0.5)  # through softmax, scale
+        dscores = dp.sub_(delta[..., queries, None]).mul_(p).mul_(scale)  # through the softmax and the scale
         dq[..., queries, :] = torch.einsum("bhgqk,bhkd->bhgqd", dscores, k[:, :, keys])
         dk[:, :, keys] += torch.einsum("bhgqk,bhgqd->bhkd", dscores, q[..., queries, :])
     return dq.flatten(1, 2), dk, dv  # (B, Hq, Lq, D), (B, Hkv, Lk, D) x2
@@ -277,15 +294,24 @@ def _tiles(lo, hi, device):
     return tiles
 
 
-def _scores(q, k, mask):
+def _scores(q, k, mask, scale):
     """Scaled scores of queries q [B, Hkv, G, Lq, D] against keys k [B, Hkv, Lk, D], -inf where the mask hides a
     key: [B, Hkv, G, Lq, Lk]."""
-    scores = torch.einsum("bhgqd,bhkd->bhgqk", q, k).mul_(q.shape[-1] ** -0.5)  # (B, Hkv, G, Lq, Lk)
+    scores = torch.einsum("bhgqd,bhkd->bhgqk", q, k).mul_(scale)  # (B, Hkv, G, Lq, Lk)
     return scores if mask is None else scores.masked_fill_(~mask, float("-inf"))
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # the token layout: which tokens a rank holds, and which keys its queries see
+
+
+class Mask(NamedTuple):
+    """Which keys each query sees, and how its scores are scaled: the tokens' layout over the ring ("zigzag" or
+    "contiguous"), a sliding window (None: none), causal or not, and the scale of the scores."""
+    layout: str
+    window: int | None
+    causal: bool
+    scale: float
 
 
 def token_index(layout, rank, R, L):
@@ -297,11 +323,13 @@ def token_index(layout, rank, R, L):
     return torch.cat([torch.arange(rank * C, (rank + 1) * C), torch.arange((2 * R - 1 - rank) * C, (2 * R - rank) * C)])
 
 
-def key_ranges(q_index, k_index, window=None):
-    """Which keys each query may see: causal, and within the last `window` tokens if given. Positions in both
-    layouts rise along a rank's tokens, so the keys a query sees are one run of k_index: (lo, hi), two [Lq]
-    tensors, query i seeing keys lo[i] .. hi[i] - 1 (none when lo[i] = hi[i]). Never a [Lq, Lk] mask."""
+def key_ranges(q_index, k_index, window=None, causal=True):
+    """Which keys each query may see: causal (else all of them), and within the last `window` tokens if given.
+    Positions in both layouts rise along a rank's tokens, so the keys a query sees are one run of k_index: (lo, hi),
+    two [Lq] tensors, query i seeing keys lo[i] .. hi[i] - 1 (none when lo[i] = hi[i]). Never a [Lq, Lk] mask."""
     hi = torch.searchsorted(k_index, q_index, right=True)  # (Lq,): the keys at or before each query
+    if not causal:
+        return torch.zeros_like(hi), torch.full_like(hi, len(k_index))
     lo = torch.searchsorted(k_index, q_index - window, right=True) if window else torch.zeros_like(hi)  # (Lq,)
     return lo, hi
 
@@ -345,14 +373,34 @@ def ring_bytes(R, kv_bytes, dkv_bytes):
     return (R - 1) * kv_bytes, (R - 1) * kv_bytes + R * dkv_bytes
 
 
+_DTYPES = [torch.float64, torch.float32, torch.bfloat16, torch.float16]
+
+
+def check_same_inputs(q, k, group):
+    """ValueError on every rank unless every rank of the ring holds q and k of the same batch, tokens, heads, head
+    size and dtype: the sends assume it, and a mismatch would otherwise abort the processes inside gloo. One
+    all-gather of 6 numbers."""
+    R = size_and_rank(group)[0]
+    mine = torch.tensor([*q.shape, k.shape[2], _DTYPES.index(q.dtype)], device=q.device)  # B, L, Hq, D, Hkv, dtype
+    every = [torch.empty_like(mine) for _ in range(R)]
+    dist.all_gather(every, mine, group=group)
+    every = torch.stack(every).tolist()  # (R, 6)
+    for i, name in enumerate(["batch size", "tokens", "query heads", "head size", "kv heads", "dtype"]):
+        values = [_DTYPES[row[i]] if name == "dtype" else row[i] for row in every]
+        if len(set(values)) > 1:
+            by_rank = ", ".join(f"{value} on rank {rank}" for rank, value in enumerate(values))
+            raise ValueError(f"the ranks of the ring hold inputs of different {name}: {by_rank}; each must hold "
+                             f"the same number of tokens of the same batch (shard_for_sp cuts them so)")
+
+
 def size_and_rank(group):
     """(R, this process's rank in the ring); (1, 0) for group=None, a ring of one rank."""
     return (1, 0) if group is None else (dist.get_world_size(group), dist.get_rank(group))
 
 
 def _fused_kernels(q):
-    """(forward, backward) of the fused kernel for q's device: forward(q, k, v, causal) -> (out, lse) and
-    backward(dout, q, k, v, out, lse, causal) -> (dq, dk, dv), head-major [B, heads, L, D], Hq a multiple of Hkv.
+    """(forward, backward) of the fused kernel for q's device: forward(q, k, v, causal, scale) -> (out, lse) and
+    backward(dout, q, k, v, out, lse, causal, scale) -> (dq, dk, dv), head-major [B, heads, L, D], Hq a multiple of Hkv.
     CUDA: flash-attn's kernels for 16-bit inputs when it is installed, else PyTorch's memory-efficient kernel."""
     if not q.is_cuda:
         return _cpu_forward, _cpu_backward
@@ -361,45 +409,47 @@ def _fused_kernels(q):
     return _efficient_forward, _efficient_backward
 
 
-def _cpu_forward(q, k, v, causal):
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal)  # (out, lse)
+def _cpu_forward(q, k, v, causal, scale):
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)  # out, lse
 
 
-def _cpu_backward(dout, q, k, v, out, lse, causal):
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(dout, q, k, v, out, lse, 0.0, causal)
+def _cpu_backward(dout, q, k, v, out, lse, causal, scale):
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(dout, q, k, v, out, lse, 0.0, causal,
+                                                                               scale=scale)
 
 
-def _flash_forward(q, k, v, causal):
+def _flash_forward(q, k, v, causal, scale):
     """flash-attn (2.6 or later) takes [B, L, heads, D] and returns the lse as [B, heads, L] in float32."""
-    out, lse, _, _ = _flash_attn_forward(*(t.transpose(1, 2) for t in (q, k, v)), 0.0, q.shape[-1] ** -0.5, causal,
-                                         -1, -1, 0.0, None, False)
+    out, lse, _, _ = _flash_attn_forward(*(t.transpose(1, 2) for t in (q, k, v)), 0.0, scale, causal, -1, -1, 0.0,
+                                         None, False)
     return out.transpose(1, 2).float(), lse  # (B, L, Hq, D) -> (B, Hq, L, D)
 
 
-def _flash_backward(dout, q, k, v, out, lse, causal):
+def _flash_backward(dout, q, k, v, out, lse, causal, scale):
     dq, dk, dv = (torch.empty_like(t.transpose(1, 2)) for t in (q, k, v))  # (B, L, heads, D)
     dout, out = dout.to(q.dtype), out.to(q.dtype)  # the kernel takes one dtype
-    _flash_attn_backward(*(t.transpose(1, 2) for t in (dout, q, k, v, out)), lse, dq, dk, dv, 0.0,
-                         q.shape[-1] ** -0.5, causal, -1, -1, 0.0, None, False)
+    _flash_attn_backward(*(t.transpose(1, 2) for t in (dout, q, k, v, out)), lse, dq, dk, dv, 0.0, scale, causal,
+                         -1, -1, 0.0, None, False)
     return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)  # (B, heads, L, D)
 
 
-def _efficient_forward(q, k, v, causal):
+def _efficient_forward(q, k, v, causal, scale):
     """PyTorch's memory-efficient CUDA kernel: one kv head per query head, and an lse padded to a multiple of 32."""
     G = q.shape[1] // k.shape[1]
     k, v = (t.repeat_interleave(G, dim=1) for t in (k, v))  # (B, Hkv, Lk, D) -> (B, Hq, Lk, D)
-    out, lse, _, _ = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal)
+    out, lse, _, _ = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal,
+                                                                            scale=scale)
     return out.float(), lse[..., :q.shape[2]].float()  # (B, Hq, Lq, D), (B, Hq, Lq)
 
 
-def _efficient_backward(dout, q, k, v, out, lse, causal):
+def _efficient_backward(dout, q, k, v, out, lse, causal, scale):
     G = q.shape[1] // k.shape[1]
     k_, v_ = (t.repeat_interleave(G, dim=1) for t in (k, v))  # (B, Hkv, Lk, D) -> (B, Hq, Lk, D)
     lse = F.pad(lse, (0, -lse.shape[-1] % 32))  # (B, Hq, Lq rounded up to 32), as the kernel made it
     no_seed = torch.zeros((), dtype=torch.int64, device=q.device)  # no dropout: the random state is unused
     dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
         dout.to(q.dtype), q, k_, v_, None, out.to(q.dtype), lse, no_seed, no_seed, 0.0, [True, True, True, False],
-        causal)
+        causal, scale=scale)
     return dq, *(t.unflatten(1, (k.shape[1], G)).sum(2) for t in (dk, dv))  # (B, Hq, Lk, D) -> (B, Hkv, Lk, D)
 
 

@@ -41,7 +41,7 @@ def _ring_rank(rank, R, cases):
         index = ring.token_index(layout, rank, R, 24 // R)
         q, k, v, grad_out = (t.to(dtype)[:, index].requires_grad_() for t in qkv(2, 24, 4, 2, 8))
         ring.reset_ring_stats()
-        out = ring.ring_attention(q, k, v, dist.group.WORLD, layout, window, fused)
+        out = ring.ring_attention(q, k, v, dist.group.WORLD, layout, window, fused=fused)
         out.backward(grad_out)
         results.append(([out.detach(), q.grad, k.grad, v.grad], {d: dict(c) for d, c in ring.ring_stats.items()}))
     return results
@@ -89,7 +89,7 @@ def _usp_rank(rank, P, U, R, heads, cases):
     results = []
     for dtype, window in cases:
         q, k, v, grad_out = (t.to(dtype)[:, index].requires_grad_() for t in qkv(2, S, *heads, 8))
-        attend = partial(ring.ring_attention, group=ring_group, window=window)
+        attend = partial(ring.ring_attention, group=ring_group, layout="zigzag", window=window)
         out = ulysses.ulysses_attention(q, k, v, ulysses_group, attend)
         out.backward(grad_out)
         results.append((index, [out.detach(), q.grad, k.grad, v.grad]))
@@ -142,3 +142,57 @@ def test_fused_kernel_covers_every_block_without_a_window():
                         rows, cols = part
                         mask = ring._fused_mask(lo[rows] - cols.start, hi[rows] - cols.start, cols.stop - cols.start)
                         assert (mask is not None) == fused, (R, layout, window, r, j)
+
+
+def _options_rank(rank, R):
+    results = []
+    for layout, causal, fused in (("zigzag", False, True), ("contiguous", False, False), ("zigzag", True, True),
+                                  ("contiguous", True, False)):
+        index = ring.token_index(layout, rank, R, 24 // R)
+        q, k, v, grad_out = (t.double()[:, index].requires_grad_() for t in qkv(2, 24, 4, 2, 8))
+        out, lse = ring.ring_attention(q, k, v, dist.group.WORLD, layout, causal=causal, scale=0.3, return_lse=True,
+                                       fused=fused)
+        out.backward(grad_out)
+        results.append((index, [out.detach(), lse, q.grad, k.grad, v.grad]))
+    errors = []
+    for q in (torch.zeros(1, 12 if rank else 10, 4, 8), torch.zeros(1, 12, 4, 8, dtype=torch.float64 if rank else None)):
+        try:
+            ring.ring_attention(q, q, q, dist.group.WORLD, "zigzag")
+        except ValueError as e:
+            errors.append(str(e))
+    try:
+        ring.ring_attention(q, q, q, dist.group.WORLD)
+    except ValueError as e:
+        errors.append(str(e))
+    return results, errors
+
+
+def test_ring_options_lse_and_mismatched_ranks():
+    """causal=False, a softmax scale and the log-sum-exp as an output, on 3 ranks against one device in float64
+    (1e-12), the fused kernel and the einsum tiles, each layout. Ranks that hold different token counts or dtypes
+    get one error on every rank naming each rank's value, never a gloo abort; a ring called without its layout
+    is refused."""
+    R = 3
+    per_rank = run_ranks(R, _options_rank)
+    for i, causal in enumerate((False, False, True, True)):
+        q, k, v, grad_out = (t.double().requires_grad_() for t in qkv(2, 24, 4, 2, 8))
+        scores = torch.einsum("bqhd,bkhd->bhqk", q, k.repeat_interleave(2, dim=2)) * 0.3  # (B, Hq, S, S)
+        if causal:
+            scores = scores.masked_fill(torch.ones(24, 24, dtype=torch.bool).triu(1), float("-inf"))
+        out = torch.einsum("bhqk,bkhd->bqhd", scores.softmax(-1), v.repeat_interleave(2, dim=2))  # (B, S, Hq, D)
+        out.backward(grad_out)
+        want = [out.detach(), scores.logsumexp(-1).transpose(1, 2).detach(), q.grad, k.grad, v.grad]
+        got = [torch.zeros_like(t) for t in want]
+        for index, parts in (r[0][i] for r in per_rank):
+            for full, part in zip(got, parts):
+                full[:, index] = part
+        assert_all_close(got, want, 1e-12, 1e-12, where=f"case {i}")
+    for _, errors in per_rank:
+        assert errors == [
+            "the ranks of the ring hold inputs of different tokens: 10 on rank 0, 12 on rank 1, 12 on rank 2; each "
+            "must hold the same number of tokens of the same batch (shard_for_sp cuts them so)",
+            "the ranks of the ring hold inputs of different dtype: torch.float32 on rank 0, torch.float64 on rank 1, "
+            "torch.float64 on rank 2; each must hold the same number of tokens of the same batch (shard_for_sp cuts "
+            "them so)",
+            "layout=None: a ring of 3 ranks needs the layout its tokens were sharded in, 'zigzag' "
+            "(ulysses.shard_for_sp with a ring group) or 'contiguous'"]
