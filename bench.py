@@ -10,6 +10,7 @@ that teach a concept, so those read as their lesson.
     python bench.py memory      # train.py's predicted peak memory per rank against the measured one
     python bench.py compile     # train.py eager against --compile: the first step (which compiles) and the rest
     python bench.py ring        # Ulysses, ring and Ulysses x Ring on the same ranks: time, bytes, calls, memory;
+                                # the ring's fused block kernel against its einsum tiles and one process's SDPA;
                                 # causal work per rank, contiguous against zigzag
 
 Multi-rank measurements start their own gloo processes on this machine; `python bench.py CMD --help` lists the
@@ -484,25 +485,29 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescrip
 
 # ----------------------------------------------------------------------------------------------------------------
 # python bench.py ring: every way to split one attention layer over P ranks, U Ulysses ranks x R ring ranks (U <=
-# heads), with the same kernel (ring.py's; R = 1: one block), forward + backward
+# heads), forward + backward, with ring.py's two block kernels (R = 1: one block): the fused one and the einsum tiles;
+# on one rank also SDPA's causal kernel, called directly
 
 
 def _usp_rank(rank, P, args):
-    """{(U, R): (median seconds, all-to-all bytes, all-to-all calls, ring bytes, ring sends, peak bytes)} of this
-    rank; the layouts are timed interleaved."""
-    layouts = [(U, P // U) for U in range(P, 0, -1) if P % U == 0 and U <= args.heads]  # Ulysses alone first
+    """{(U, R, kernel): (median seconds, all-to-all bytes, all-to-all calls, ring bytes, ring sends, peak bytes)} of
+    this rank; every row is timed interleaved with the others."""
+    splits = [(U, P // U) for U in range(P, 0, -1) if P % U == 0 and U <= args.heads]  # Ulysses alone first
     groups = {}
-    for U, R in layouts:  # every rank builds every group, in the same order
+    for U, R in splits:  # every rank builds every group, in the same order
         mesh = init_device_mesh("cpu", (R, U), mesh_dim_names=("ring", "ulysses"))
         groups[U, R] = (mesh.get_group("ulysses"), mesh.get_group("ring"))
+    layouts = [(U, R, kernel) for U, R in splits for kernel in ("fused", "einsum")] + [(1, 1, "sdpa")] * (P == 1)
     g = torch.Generator().manual_seed(rank)
     B, S, H, D = args.batch_size, args.seq_len, args.heads, args.head_dim
     tensors = [torch.randn(B, S // P, H, D, generator=g) for _ in range(3)]  # q, k, v: this rank's tokens
 
-    def step(U, R):
+    def step(U, R, kernel):
         ulysses_group, ring_group = groups[U, R]
         inputs = [t.detach().requires_grad_() for t in tensors]
-        out = ulysses.ulysses_attention(*inputs, ulysses_group, partial(ring.ring_attention, group=ring_group))
+        attend = (ulysses.causal_attention if kernel == "sdpa" else
+                  partial(ring.ring_attention, group=ring_group, layout="zigzag", fused=kernel == "fused"))
+        out = ulysses.ulysses_attention(*inputs, ulysses_group, attend)
         return torch.autograd.grad(out, inputs, torch.ones_like(out))
 
     times = {layout: [] for layout in layouts}
@@ -528,17 +533,17 @@ def _usp_rank(rank, P, args):
 def ring_(args):
     B, S, H, D = args.batch_size, args.seq_len, args.heads, args.head_dim
     print(f"one attention layer, forward + backward: B={B} S={S} heads={H} head_dim={D} float32, causal; the median "
-          f"of {args.reps}; rank 0's bytes, calls and peak tensor memory (MemTracker); the kernel is ring.py's in "
-          f"every row", flush=True)
-    print(f"{'P':>2} {'layout':20} {'ms':>8} {'all-to-all bytes':>17} {'calls':>5} {'ring bytes':>11} "
-          f"{'sends':>5} {'peak MiB':>9}", flush=True)
+          f"of {args.reps}, every row of a P interleaved; rank 0's bytes, calls and peak tensor memory (MemTracker); "
+          f"kernel: ring.py's fused block kernel, or its einsum tiles (fused=False), or SDPA alone", flush=True)
+    print(f"{'P':>2} {'layout':20} {'kernel':>6} {'ms':>8} {'/ fused':>7} {'all-to-all bytes':>17} {'calls':>5} "
+          f"{'ring bytes':>11} {'sends':>5} {'peak MiB':>9}", flush=True)
     for P in args.ranks:
-        with measuring(f"P={P}: {args.reps + 1} repetitions of every layout"):
+        with measuring(f"P={P}: {args.reps + 1} repetitions of every layout and kernel"):
             layouts = run_ranks(P, _usp_rank, args)
-        for (U, R), (seconds, a2a, calls, sent, sends, peak) in layouts.items():
+        for (U, R, kernel), (seconds, a2a, calls, sent, sends, peak) in layouts.items():
             name = " x ".join([f"ulysses {U}"] * (U > 1) + [f"ring {R}"] * (R > 1)) or "one rank"
-            print(f"{P:2} {name:20} {seconds * 1e3:8.1f} {a2a:17,} {calls:5} {sent:11,} {sends:5} "
-                  f"{peak / 2**20:9.1f}", flush=True)
+            print(f"{P:2} {name:20} {kernel:>6} {seconds * 1e3:8.1f} {seconds / layouts[U, R, 'fused'][0]:7.2f} "
+                  f"{a2a:17,} {calls:5} {sent:11,} {sends:5} {peak / 2**20:9.1f}", flush=True)
     kv_bytes = 2 * B * S * H * D * 4  # k and v of the whole sequence, float32
     print(f"where each stops: Ulysses at P = heads = {H} ranks a sequence, its bytes per rank falling as (P-1)/P^2; "
           f"a ring never, but each rank sends (R-1)/R of the sequence's k and v twice and all their float32 "

@@ -225,8 +225,9 @@ class GPT(nn.Module):
         window = self.cfg.window
         # the kernels run on the full sequence, so with packing they need the document starts of the full sequence
         full_positions = gather_sequence(position_ids, self.sp_group) if packed else None
+        ring = partial(ring_attention, group=self.ring_group, layout="zigzag", window=window or None)  # shard_for_sp's
         attend = {"a": partial(document_attention, position_ids=full_positions, window=window) if packed else
-                  partial(ring_attention, group=self.ring_group, window=window or None) if self.ring_group else
+                  ring if self.ring_group else
                   partial(sliding_window_attention, window=window) if window else causal_attention,
                   "d": partial(gated_delta_net, starts=None if not packed else  # context: its own tokens' starts
                                position_ids == 0 if self.cfg.gdn_parallel == "context" else full_positions == 0)}

@@ -56,8 +56,9 @@ def predict_memory(cfg, tokens, batch, sp, ring_size, world_size, zero, cuda, bf
     What a layer keeps for backward is counted tensor by tensor, in elements per local token, as autograd saves
     it on CPU in float32 (torch.autograd.graph.saved_tensors_hooks, storages counted once); bf16 takes the same
     counts at two bytes each, but four for what stays float32 (the residual stream, the norms, Gated DeltaNet's
-    kernel). On CPU that comes out between 2% below and 13% above the measured peak (with a ring, 1% below to 30%
-    above: the ring's query tiles are counted at their largest); no GPU has checked it."""
+    kernel). On CPU that comes out between 2% below and 13% above the measured peak (a ring run: within 20%, as
+    test_memory.py checks; the ring's fused block kernel holds no scores, its einsum tiles, with a window, hold a
+    query tile's, counted at their largest); no GPU has checked it."""
     with torch.device("meta"):
         model = GPT(cfg)
     n_params = sum(p.numel() for p in model.parameters())
@@ -76,12 +77,12 @@ def predict_memory(cfg, tokens, batch, sp, ring_size, world_size, zero, cuda, bf
     # which without all-to-alls is the kernel's output itself, but keeps the whole qkv output alive (v is a view of
     # it) beside the rotated q and k; the all-to-alls make new tensors of them all
     attention = (q + 2 * kv) + q + H + (q + kv if U == 1 else h)
-    # a ring's backward holds, for one query tile at a time, its float32 probabilities, their gradient and a copy
-    # einsum makes of one of them, against a key block; dq in float32 (in bf16 also float32 copies of q, of the
-    # output's gradient and of the output); the key/value block and the one arriving, three float32 dk/dv
-    # accumulators (this step's, the one arriving, the one still being sent), and in bf16 the block's keys and
-    # values in float32
-    tile = min(ring.QUERY_TILE, tokens // batch * U)  # queries: a tile, or the kernel's whole sequence
+    # a ring's backward holds dq in float32 (in bf16 also float32 copies of q, of the output's gradient and of the
+    # output); the key/value block and the one arriving, three float32 dk/dv accumulators (this step's, the one
+    # arriving, the one still being sent), and in bf16 the block's keys and values in float32. The fused block
+    # kernel holds no scores; with a window the einsum tiles do: for one query tile at a time, float32
+    # probabilities, their gradient and a copy einsum makes of one of them, against a key block
+    tile = min(ring.QUERY_TILE, tokens // batch * U) if cfg.window else 0  # queries: a tile, or the whole sequence
     bf16_copies = 1 if e == 2 else 0
     ring_backward = (12 * tile * q / D + 4 * q * (1 + 3 * bf16_copies) + 2 * kv * (2 * e + 12 + 4 * bf16_copies)
                      if ring_size > 1 else 0)

@@ -38,104 +38,132 @@ Then every block from another rank costs half a block of work on every rank (`ri
 USP. An SP group of P = U x R ranks: U consecutive ranks form a Ulysses group, and the ranks at the same place
 in each of the R Ulysses groups form a ring. This is all it takes:
 
-    ulysses_attention(q, k, v, ulysses_group, attn_fn=partial(ring_attention, group=ring_group))
+    ulysses_attention(q, k, v, ulysses_group, partial(ring_attention, group=ring_group, layout="zigzag"))
 
 The all-to-all gives each rank whole heads of its ring block, the ring runs over the blocks, and the all-to-all
 gives the heads back. ulysses.shard_for_sp lays the tokens out in the zigzag order for it.
 
+The attention over one block is a fused flash kernel that returns the log-sum-exp (PyTorch's on CPU; flash-attn's
+or PyTorch's on CUDA), with einsum tiles beside it as the readable reference, and for the blocks the fused kernel
+does not take (a sliding window's).
+
 The file reads down the call path: `ring_attention`, the ring itself (forward and backward), one step of it, the
-attention over one block, and last the token layout and the plumbing. It depends on torch alone (2.6 or later):
-copy it into your own project. `python bench.py ring` measures it.
+attention over one block, and last the token layout and the plumbing (with the fused kernels). It depends on torch
+alone (2.6 or later): copy it into your own project. `python bench.py ring` measures it.
 """
+
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+try:  # optional, CUDA only: flash-attn's kernels, whose forward returns the log-sum-exp
+    from flash_attn.flash_attn_interface import _flash_attn_backward, _flash_attn_forward
+except ImportError:
+    _flash_attn_forward = _flash_attn_backward = None
 
-def ring_attention(q, k, v, group=None, layout="zigzag", window=None):
-    """Causal attention over a sequence whose tokens are split over the R ranks of `group`.
+
+def ring_attention(q, k, v, group=None, layout=None, window=None, causal=True, scale=None, return_lse=False,
+                   fused=True):
+    """Attention over a sequence whose tokens are split over the R ranks of `group`, causal unless causal=False.
 
     q [B, L, Hq, D], k and v [B, L, Hkv, D] with Hq a multiple of Hkv: this rank's L tokens, laid out as
-    `layout` says ("zigzag": chunks r and 2R-1-r of 2R; "contiguous": tokens [r*L, (r+1)*L)). Returns
-    [B, L, Hq, D]. window: sliding-window attention over the last `window` tokens. Differentiable; forward and
+    `layout` says, which a ring of several ranks needs stated, as the tokens were sharded: "zigzag" (chunks r
+    and 2R-1-r of 2R, what ulysses.shard_for_sp gives with a ring group) or "contiguous" (tokens [r*L, (r+1)*L)).
+    Returns [B, L, Hq, D], and with return_lse=True also the log-sum-exp of each query's scores [B, L, Hq] in
+    float32 (not differentiable). window: sliding-window attention over the last `window` tokens. scale: of the
+    scores, 1/sqrt(D) by default. fused=False computes every block with the einsum tiles (the reference) instead
+    of the fused kernel. Ranks whose q, k or v differ in shape or dtype get one ValueError on every rank, naming
+    each rank's value (one all-gather of 8 numbers a call). Differentiable; forward and
     backward each move R-1 key/value blocks per rank, backward also R dk/dv blocks (in float32, or float64 for
     float64 inputs).
     group=None or a group of one rank: attention over this rank's tokens alone.
     """
-    if layout not in ("zigzag", "contiguous"):
-        raise ValueError(f"layout={layout!r}; choose 'zigzag' or 'contiguous'")
+    R = size_and_rank(group)[0]
+    if R > 1 and layout not in ("zigzag", "contiguous"):
+        raise ValueError(f"layout={layout!r}: a ring of {R} ranks needs the layout its tokens were sharded in, "
+                         f"'zigzag' (ulysses.shard_for_sp with a ring group) or 'contiguous'")
+    if window and not causal:
+        raise ValueError("a sliding window looks back from each query: use it with causal=True")
     if k.shape != v.shape or q.shape[:2] != k.shape[:2] or q.shape[2] % k.shape[2]:
         raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}: want q [B, L, Hq, D] and k, v "
                          f"[B, L, Hkv, D] with Hq a multiple of Hkv")
-    if layout == "zigzag" and q.shape[1] % 2:
+    if R > 1 and layout == "zigzag" and q.shape[1] % 2:
         raise ValueError(f"{q.shape[1]} tokens on this rank: zigzag holds two equal chunks, so an even number "
                          f"(shard_for_sp pads the sequence to a multiple of 2 x the SP size)")
-    return _RingAttention.apply(q, k, v, group, layout if size_and_rank(group)[0] > 1 else "contiguous", window)
+    if R > 1 and not torch.compiler.is_compiling():
+        check_same_inputs(q, k, group)
+    mask = Mask(layout if R > 1 else "contiguous", window, causal, q.shape[-1] ** -0.5 if scale is None else scale)
+    out, lse = _RingAttention.apply(q, k, v, group, mask, fused)
+    return (out, lse.transpose(1, 2)) if return_lse else out  # lse (B, Hq, L) -> (B, L, Hq)
 
 
 class _RingAttention(torch.autograd.Function):
     """The ring of the opening docstring: forward passes key/value blocks around and merges, backward runs a
-    second ring that carries each block's dk and dv home. Inside, queries are grouped by their kv head."""
+    second ring that carries each block's dk and dv home. Inside, tensors are head-major, [B, heads, L, D], as
+    the block kernels take them: views of the [B, L, heads, D] inputs, no copies."""
 
     @staticmethod
-    def forward(ctx, q, k, v, group, layout, window):
+    def forward(ctx, q, k, v, group, mask, fused):
         R, r = size_and_rank(group)
         B, L, Hq, D = q.shape
-        Hkv = k.shape[2]
-        mine = token_index(layout, r, R, L)
+        mine = token_index(mask.layout, r, R, L)
         with torch.autocast(q.device.type, enabled=False):  # the whole ring in float32 (or float64), whatever autocast
-            grouped_q = _wide(q).reshape(B, L, Hkv, Hq // Hkv, D)  # (B, L, Hkv, G, D)
+            q_heads = _wide(q).transpose(1, 2)  # (B, L, Hq, D) -> (B, Hq, L, D), a view
             kv = torch.stack([k, v])  # (2, B, L, Hkv, D): one message a step, in the input dtype
             for step in range(R):  # at step s this rank holds the block of rank r - s
                 if step < R - 1:
                     incoming = pass_on(kv, group, "forward")  # sent while this block is computed on
-                if (block := _block(mine, layout, (r - step) % R, R, window, kv)) is not None:
+                if (block := _block(mine, mask, (r - step) % R, R, kv)) is not None:
                     rows, _, lo, hi, block_k, block_v = block
-                    block_out, block_lse = block_attention(grouped_q[:, rows], block_k, block_v, lo, hi)
+                    block_out, block_lse = block_attention(q_heads[:, :, rows], block_k, block_v, lo, hi, mask.scale,
+                                                           fused)
                     if step == 0:  # my own block: every query sees itself, so every row is filled here
-                        out, lse = block_out, block_lse
+                        out, lse = block_out, block_lse  # (B, Hq, L, D), (B, Hq, L)
                     else:
-                        merge(out[:, rows], lse[:, rows], block_out, block_lse)
+                        merge(out[:, :, rows], lse[:, :, rows], block_out, block_lse)
                 if step < R - 1:
                     kv = arrived(*incoming)
-        out = out.reshape(B, L, Hq, D).to(q.dtype)  # (B, L, Hkv, G, D) -> (B, L, Hq, D)
+        out = out.transpose(1, 2).to(q.dtype)  # (B, Hq, L, D) -> (B, L, Hq, D)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.group, ctx.layout, ctx.window = group, layout, window
-        return out
+        ctx.group, ctx.mask, ctx.fused = group, mask, fused
+        ctx.mark_non_differentiable(lse)
+        return out, lse
 
     @staticmethod
-    def backward(ctx, dout):
+    def backward(ctx, dout, _):
         q, k, v, out, lse = ctx.saved_tensors
-        group, layout, window = ctx.group, ctx.layout, ctx.window
+        group, mask, fused = ctx.group, ctx.mask, ctx.fused
         R, r = size_and_rank(group)
         B, L, Hq, D = q.shape
-        Hkv = k.shape[2]
-        mine = token_index(layout, r, R, L)
+        Hkv, dtype = k.shape[2], q.dtype
+        mine = token_index(mask.layout, r, R, L)
         with torch.autocast(q.device.type, enabled=False):
-            grouped_q, dout = (_wide(t).reshape(B, L, Hkv, Hq // Hkv, D) for t in (q, dout))  # (B, L, Hkv, G, D)
-            delta = (dout * _wide(out).view_as(dout)).sum(-1)  # (B, L, Hkv, G)
-            dq = torch.zeros_like(grouped_q)
+            q, out, dout = (_wide(t).transpose(1, 2) for t in (q, out, dout))  # (B, L, Hq, D) -> (B, Hq, L, D)
+            wide = torch.promote_types(dtype, torch.float32)  # the accumulators: float32, or float64
+            dq = torch.zeros(q.shape, dtype=wide, device=q.device)  # (B, Hq, L, D)
             kv = torch.stack([k, v])  # (2, B, L, Hkv, D)
             for step in range(R):
                 if step < R - 1:
                     incoming = pass_on(kv, group, "backward")
-                dkv = grouped_q.new_zeros(2, B, L, Hkv, D)  # this step's share of the block's dk and dv, a new buffer
-                if (block := _block(mine, layout, (r - step) % R, R, window, kv)) is not None:
+                dkv = dq.new_zeros(2, B, Hkv, L, D)  # this step's share of the block's dk and dv, a new buffer
+                if (block := _block(mine, mask, (r - step) % R, R, kv)) is not None:
                     rows, cols, lo, hi, block_k, block_v = block
-                    block_dq, block_dk, block_dv = block_gradients(grouped_q[:, rows], block_k, block_v, lo, hi,
-                                                                   lse[:, rows], dout[:, rows], delta[:, rows])
-                    dq[:, rows] += block_dq
-                    dkv[0, :, cols] += block_dk
-                    dkv[1, :, cols] += block_dv
+                    block_dq, block_dk, block_dv = block_gradients(
+                        q[:, :, rows], block_k, block_v, out[:, :, rows], lse[:, :, rows], dout[:, :, rows], lo, hi,
+                        mask.scale, fused)
+                    dq[:, :, rows] += block_dq
+                    dkv[0, :, :, cols] += block_dk
+                    dkv[1, :, :, cols] += block_dv
                 if step > 0:  # what the ranks before me added to this block's accumulator
                     dkv += arrived(*accumulator)
                 # on towards the block's home, where it arrives after step R-1 (a ring of one rank: home already)
                 accumulator = pass_on(dkv, group, "backward") if R > 1 else (dkv, [])
                 if step < R - 1:
                     kv = arrived(*incoming)
-            dk, dv = arrived(*accumulator)  # my own block's, with every rank's term
-        return dq.reshape(B, L, Hq, D).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
+            dk, dv = arrived(*accumulator).transpose(2, 3)  # my own block's, with every rank's term: (B, L, Hkv, D)
+        return dq.transpose(1, 2).to(dtype), dk.to(dtype), dv.to(dtype), None, None, None
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -160,44 +188,52 @@ def arrived(received, works):
     return received
 
 
-def _block(mine, layout, rank, R, window, kv):
+def _block(mine, mask, rank, R, kv):
     """What my queries need of the key/value block of ring rank `rank`, held in kv [2, B, L, Hkv, D]: None if they
     see none of it, else (rows, cols: the cut, as slices; the rows' (lo, hi) within cols; the keys and values of
-    cols, in float32)."""
-    lo, hi = key_ranges(mine, token_index(layout, rank, R, kv.shape[2]), window)
+    cols, head-major and in float32 (or float64))."""
+    lo, hi = key_ranges(mine, token_index(mask.layout, rank, R, kv.shape[2]), mask.window, mask.causal)
     if (part := cut(lo, hi)) is None:
         return None
     rows, cols = part
-    block_k, block_v = _wide(kv[:, :, cols])  # (B, cols, Hkv, D) each
+    block_k, block_v = _wide(kv[:, :, cols]).transpose(2, 3)  # (B, Hkv, cols, D) each, views
     return rows, cols, lo[rows] - cols.start, hi[rows] - cols.start, block_k, block_v
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# one block: attention of my queries to one key/value block, as flash attention computes it (in float32)
+# one block: attention of my queries to one key/value block, with the log-sum-exp of each row
 #
-# Queries are grouped by the kv head they use (grouped-query attention: G = Hq / Hkv query heads per kv head), so
-# a kv head is never copied: q [B, Lq, Hkv, G, D], k and v [B, Lk, Hkv, D]. The queries go QUERY_TILE at a time,
-# so the scores in memory are [B, QUERY_TILE, Hq, Lk] at most, never [B, Lq, Hq, Lk]: memory grows as S/R, not
-# (S/R)^2. A tile meets only the keys its queries see (`cut`, as for a whole block), so a causal block costs about
-# half. Which keys those are comes as (lo, hi) per query (key_ranges). A tile's mask is built from them, [tile,
-# keys] at most.
+# q [B, Hq, Lq, D], k and v [B, Hkv, Lk, D], head-major; query head i uses kv head i // (Hq / Hkv) (grouped-query
+# attention), and a kv head is never copied. Which keys query i sees comes as one run, keys lo[i] .. hi[i] - 1
+# (key_ranges). Two kernels compute the same numbers:
+#
+#   fused    the block in one call of a flash-attention kernel that returns the log-sum-exp (`_fused_kernels`):
+#            PyTorch's on CPU, flash-attn's or PyTorch's on CUDA. It covers the two masks a ring without a window
+#            meets: every key (a block from another rank, or its cut) and causal on the diagonal (my own block,
+#            Lq = Lk). It never holds scores against a whole block.
+#   tiles    the readable reference, in einsums, for any (lo, hi): QUERY_TILE queries at a time, so the scores in
+#            memory are [B, Hq, QUERY_TILE, Lk] at most. It takes the blocks the fused kernel does not cover: a
+#            sliding window's, and any block when fused=False.
 
 QUERY_TILE = 512
 
 
-def block_attention(q, k, v, lo, hi):
-    """(output normalized over this block's keys [B, Lq, Hkv, G, D], its log-sum-exp [B, Lq, Hkv, G]), query i
-    seeing keys lo[i] .. hi[i] - 1. A query that sees no key of the block gets output 0 and lse -inf, which
-    `merge` ignores."""
-    out = q.new_zeros(*q.shape[:-1], v.shape[-1])  # (B, Lq, Hkv, G, D)
-    lse = q.new_full(q.shape[:-1], float("-inf"))  # (B, Lq, Hkv, G)
+def block_attention(q, k, v, lo, hi, scale, fused=True):
+    """(output normalized over this block's keys [B, Hq, Lq, D], its log-sum-exp [B, Hq, Lq]), query i seeing keys
+    lo[i] .. hi[i] - 1. A query that sees no key of the block gets output 0 and lse -inf, which `merge` ignores."""
+    if fused and (mask := _fused_mask(lo, hi, k.shape[2])) is not None:
+        return _fused_kernels(q)[0](q, k, v, mask == "causal", scale)
+    G = q.shape[1] // k.shape[1]  # query heads per kv head
+    q = q.unflatten(1, (k.shape[1], G))  # (B, Hq, Lq, D) -> (B, Hkv, G, Lq, D)
+    out = q.new_zeros(*q.shape[:-1], v.shape[-1])  # (B, Hkv, G, Lq, D)
+    lse = q.new_full(q.shape[:-1], float("-inf"))  # (B, Hkv, G, Lq)
     for queries, keys, mask in _tiles(lo, hi, q.device):
-        scores = _scores(q[:, queries], k[:, keys], mask)  # (B, T, Hkv, G, keys)
-        tile_lse = scores.logsumexp(-1)  # (B, T, Hkv, G): log of the softmax's normalizer over these keys
+        scores = _scores(q[..., queries, :], k[:, :, keys], mask, scale)  # (B, Hkv, G, T, keys)
+        tile_lse = scores.logsumexp(-1)  # (B, Hkv, G, T): log of the softmax's normalizer over these keys
         p = scores.sub_(tile_lse.masked_fill(tile_lse == float("-inf"), 0)[..., None]).exp_()  # softmax, in place
-        out[:, queries] = torch.einsum("bqhgk,bkhd->bqhgd", p, v[:, keys])
-        lse[:, queries] = tile_lse
-    return out, lse
+        out[..., queries, :] = torch.einsum("bhgqk,bhkd->bhgqd", p, v[:, :, keys])
+        lse[..., queries] = tile_lse
+    return out.flatten(1, 2), lse.flatten(1, 2)  # (B, Hq, Lq, D), (B, Hq, Lq)
 
 
 def merge(out, lse, block_out, block_lse):
@@ -206,18 +242,36 @@ def merge(out, lse, block_out, block_lse):
     lse.sub_(F.logsigmoid(lse - block_lse))  # log(e^lse_a + e^lse_b) = lse_a - log sigmoid(lse_a - lse_b)
 
 
-def block_gradients(q, k, v, lo, hi, lse, dout, delta):
-    """dq, dk, dv of one block, given the FINAL lse of my queries (so p below is their true attention to this
-    block's keys) and delta = rowsum(dout * out): the softmax's backward, block by block."""
+def block_gradients(q, k, v, out, lse, dout, lo, hi, scale, fused=True):
+    """dq, dk, dv of one block, given the FINAL output and lse of my queries, so that p below is their true
+    attention to this block's keys, and delta = rowsum(dout * out) the softmax's true correction: the softmax's
+    backward, block by block. Shapes as block_attention's; dk and dv [B, Hkv, Lk, D]."""
+    if fused and (mask := _fused_mask(lo, hi, k.shape[2])) is not None:
+        return _fused_kernels(q)[1](dout, q, k, v, out, lse, mask == "causal", scale)
+    Hkv, G = k.shape[1], q.shape[1] // k.shape[1]
+    q, out, dout = (t.unflatten(1, (Hkv, G)) for t in (q, out, dout))  # (B, Hq, Lq, D) -> (B, Hkv, G, Lq, D)
+    lse = lse.unflatten(1, (Hkv, G))  # (B, Hkv, G, Lq)
+    delta = (dout * out).sum(-1)  # (B, Hkv, G, Lq)
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     for queries, keys, mask in _tiles(lo, hi, q.device):
-        p = _scores(q[:, queries], k[:, keys], mask).sub_(lse[:, queries, ..., None]).exp_()  # (B, T, Hkv, G, keys)
-        dv[:, keys] += torch.einsum("bqhgk,bqhgd->bkhd", p, dout[:, queries])
-        dp = torch.einsum("bqhgd,bkhd->bqhgk", dout[:, queries], v[:, keys])  # (B, T, Hkv, G, keys)
-        dscores = dp.sub_(delta[:, queries, ..., None]).mul_(p).mul_(q.shape[-1] ** -0.5)  # through softmax, scale
-        dq[:, queries] = torch.einsum("bqhgk,bkhd->bqhgd", dscores, k[:, keys])
-        dk[:, keys] += torch.einsum("bqhgk,bqhgd->bkhd", dscores, q[:, queries])
-    return dq, dk, dv
+        scores = _scores(q[..., queries, :], k[:, :, keys], mask, scale)  # (B, Hkv, G, T, keys)
+        p = scores.sub_(lse[..., queries, None]).exp_()  # the block's share of the final softmax
+        dv[:, :, keys] += torch.einsum("bhgqk,bhgqd->bhkd", p, dout[..., queries, :])
+        dp = torch.einsum("bhgqd,bhkd->bhgqk", dout[..., queries, :], v[:, :, keys])  # (B, Hkv, G, T, keys)
+        dscores = dp.sub_(delta[..., queries, None]).mul_(p).mul_(scale)  # through the softmax and the scale
+        dq[..., queries, :] = torch.einsum("bhgqk,bhkd->bhgqd", dscores, k[:, :, keys])
+        dk[:, :, keys] += torch.einsum("bhgqk,bhgqd->bhkd", dscores, q[..., queries, :])
+    return dq.flatten(1, 2), dk, dv  # (B, Hq, Lq, D), (B, Hkv, Lk, D) x2
+
+
+def _fused_mask(lo, hi, Lk):
+    """"full" when every query sees every key, "causal" when query i sees keys 0 .. i of a square block, else
+    None: the two masks the fused kernels take."""
+    if (lo != 0).any():
+        return None
+    if (hi == Lk).all():
+        return "full"
+    return "causal" if len(hi) == Lk and (hi == torch.arange(1, Lk + 1)).all() else None
 
 
 def _tiles(lo, hi, device):
@@ -240,14 +294,24 @@ def _tiles(lo, hi, device):
     return tiles
 
 
-def _scores(q, k, mask):
-    """Scaled scores of queries q against keys k, -inf where the mask hides a key: [B, Lq, Hkv, G, Lk]."""
-    scores = torch.einsum("bqhgd,bkhd->bqhgk", q, k).mul_(q.shape[-1] ** -0.5)  # (B, Lq, Hkv, G, Lk)
-    return scores if mask is None else scores.masked_fill_(~mask[:, None, None, :], float("-inf"))
+def _scores(q, k, mask, scale):
+    """Scaled scores of queries q [B, Hkv, G, Lq, D] against keys k [B, Hkv, Lk, D], -inf where the mask hides a
+    key: [B, Hkv, G, Lq, Lk]."""
+    scores = torch.einsum("bhgqd,bhkd->bhgqk", q, k).mul_(scale)  # (B, Hkv, G, Lq, Lk)
+    return scores if mask is None else scores.masked_fill_(~mask, float("-inf"))
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # the token layout: which tokens a rank holds, and which keys its queries see
+
+
+class Mask(NamedTuple):
+    """Which keys each query sees, and how its scores are scaled: the tokens' layout over the ring ("zigzag" or
+    "contiguous"), a sliding window (None: none), causal or not, and the scale of the scores."""
+    layout: str
+    window: int | None
+    causal: bool
+    scale: float
 
 
 def token_index(layout, rank, R, L):
@@ -259,11 +323,13 @@ def token_index(layout, rank, R, L):
     return torch.cat([torch.arange(rank * C, (rank + 1) * C), torch.arange((2 * R - 1 - rank) * C, (2 * R - rank) * C)])
 
 
-def key_ranges(q_index, k_index, window=None):
-    """Which keys each query may see: causal, and within the last `window` tokens if given. Positions in both
-    layouts rise along a rank's tokens, so the keys a query sees are one run of k_index: (lo, hi), two [Lq]
-    tensors, query i seeing keys lo[i] .. hi[i] - 1 (none when lo[i] = hi[i]). Never a [Lq, Lk] mask."""
+def key_ranges(q_index, k_index, window=None, causal=True):
+    """Which keys each query may see: causal (else all of them), and within the last `window` tokens if given.
+    Positions in both layouts rise along a rank's tokens, so the keys a query sees are one run of k_index: (lo, hi),
+    two [Lq] tensors, query i seeing keys lo[i] .. hi[i] - 1 (none when lo[i] = hi[i]). Never a [Lq, Lk] mask."""
     hi = torch.searchsorted(k_index, q_index, right=True)  # (Lq,): the keys at or before each query
+    if not causal:
+        return torch.zeros_like(hi), torch.full_like(hi, len(k_index))
     lo = torch.searchsorted(k_index, q_index - window, right=True) if window else torch.zeros_like(hi)  # (Lq,)
     return lo, hi
 
@@ -307,11 +373,88 @@ def ring_bytes(R, kv_bytes, dkv_bytes):
     return (R - 1) * kv_bytes, (R - 1) * kv_bytes + R * dkv_bytes
 
 
+_DTYPES = [torch.float64, torch.float32, torch.bfloat16, torch.float16]
+
+
+def check_same_inputs(q, k, group):
+    """ValueError on every rank unless every rank of the ring holds q and k of the same batch, tokens, heads, head
+    size and dtype: the sends assume it, and a mismatch would otherwise abort the processes inside gloo. One
+    all-gather of 6 numbers."""
+    R = size_and_rank(group)[0]
+    mine = torch.tensor([*q.shape, k.shape[2], _DTYPES.index(q.dtype)], device=q.device)  # B, L, Hq, D, Hkv, dtype
+    every = [torch.empty_like(mine) for _ in range(R)]
+    dist.all_gather(every, mine, group=group)
+    every = torch.stack(every).tolist()  # (R, 6)
+    for i, name in enumerate(["batch size", "tokens", "query heads", "head size", "kv heads", "dtype"]):
+        values = [_DTYPES[row[i]] if name == "dtype" else row[i] for row in every]
+        if len(set(values)) > 1:
+            by_rank = ", ".join(f"{value} on rank {rank}" for rank, value in enumerate(values))
+            raise ValueError(f"the ranks of the ring hold inputs of different {name}: {by_rank}; each must hold "
+                             f"the same number of tokens of the same batch (shard_for_sp cuts them so)")
+
+
 def size_and_rank(group):
     """(R, this process's rank in the ring); (1, 0) for group=None, a ring of one rank."""
     return (1, 0) if group is None else (dist.get_world_size(group), dist.get_rank(group))
 
 
+def _fused_kernels(q):
+    """(forward, backward) of the fused kernel for q's device: forward(q, k, v, causal, scale) -> (out, lse) and
+    backward(dout, q, k, v, out, lse, causal, scale) -> (dq, dk, dv), head-major [B, heads, L, D], Hq a multiple of Hkv.
+    CUDA: flash-attn's kernels for 16-bit inputs when it is installed, else PyTorch's memory-efficient kernel."""
+    if not q.is_cuda:
+        return _cpu_forward, _cpu_backward
+    if _flash_attn_forward is not None and q.dtype in (torch.float16, torch.bfloat16):
+        return _flash_forward, _flash_backward
+    return _efficient_forward, _efficient_backward
+
+
+def _cpu_forward(q, k, v, causal, scale):
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)  # out, lse
+
+
+def _cpu_backward(dout, q, k, v, out, lse, causal, scale):
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(dout, q, k, v, out, lse, 0.0, causal,
+                                                                               scale=scale)
+
+
+def _flash_forward(q, k, v, causal, scale):
+    """flash-attn (2.6 or later) takes [B, L, heads, D] and returns the lse as [B, heads, L] in float32."""
+    out, lse, _, _ = _flash_attn_forward(*(t.transpose(1, 2) for t in (q, k, v)), 0.0, scale, causal, -1, -1, 0.0,
+                                         None, False)
+    return out.transpose(1, 2).float(), lse  # (B, L, Hq, D) -> (B, Hq, L, D)
+
+
+def _flash_backward(dout, q, k, v, out, lse, causal, scale):
+    dq, dk, dv = (torch.empty_like(t.transpose(1, 2)) for t in (q, k, v))  # (B, L, heads, D)
+    dout, out = dout.to(q.dtype), out.to(q.dtype)  # the kernel takes one dtype
+    _flash_attn_backward(*(t.transpose(1, 2) for t in (dout, q, k, v, out)), lse, dq, dk, dv, 0.0, scale, causal,
+                         -1, -1, 0.0, None, False)
+    return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)  # (B, heads, L, D)
+
+
+def _efficient_forward(q, k, v, causal, scale):
+    """PyTorch's memory-efficient CUDA kernel: one kv head per query head, and an lse padded to a multiple of 32."""
+    G = q.shape[1] // k.shape[1]
+    k, v = (t.repeat_interleave(G, dim=1) for t in (k, v))  # (B, Hkv, Lk, D) -> (B, Hq, Lk, D)
+    out, lse, _, _ = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal,
+                                                                            scale=scale)
+    return out.float(), lse[..., :q.shape[2]].float()  # (B, Hq, Lq, D), (B, Hq, Lq)
+
+
+def _efficient_backward(dout, q, k, v, out, lse, causal, scale):
+    G = q.shape[1] // k.shape[1]
+    k_, v_ = (t.repeat_interleave(G, dim=1) for t in (k, v))  # (B, Hkv, Lk, D) -> (B, Hq, Lk, D)
+    lse = F.pad(lse, (0, -lse.shape[-1] % 32))  # (B, Hq, Lq rounded up to 32), as the kernel made it
+    no_seed = torch.zeros((), dtype=torch.int64, device=q.device)  # no dropout: the random state is unused
+    dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+        dout.to(q.dtype), q, k_, v_, None, out.to(q.dtype), lse, no_seed, no_seed, 0.0, [True, True, True, False],
+        causal, scale=scale)
+    return dq, *(t.unflatten(1, (k.shape[1], G)).sum(2) for t in (dk, dv))  # (B, Hq, Lk, D) -> (B, Hkv, Lk, D)
+
+
 def _wide(x):
-    """x in float32 if it is in a 16-bit float (bf16 under autocast), else as it is (float64 stays float64)."""
-    return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+    """x as the block kernels take it. On CPU a 16-bit float (bf16 under autocast) goes to float32, where the
+    kernels are as fast and the ring exact; float32 and float64 stay as they are. On CUDA the fused kernels take
+    16-bit inputs as they are, and return their output and lse in float32."""
+    return x.float() if x.dtype in (torch.float16, torch.bfloat16) and not x.is_cuda else x

@@ -15,9 +15,11 @@ import ulysses
 from conftest import assert_all_close, qkv, run_ranks, usp_groups
 
 
-RING_CASES = [("zigzag", torch.float64, None), ("contiguous", torch.float64, None), ("zigzag", torch.float32, None),
-              ("contiguous", torch.float32, None), ("zigzag", torch.float64, 3),
-              ("zigzag", torch.bfloat16, None)]  # (layout, dtype, window)
+RING_CASES = [("zigzag", torch.float64, None, True), ("contiguous", torch.float64, None, True),
+              ("zigzag", torch.float32, None, True), ("contiguous", torch.float32, None, True),
+              ("zigzag", torch.float64, 3, True), ("zigzag", torch.bfloat16, None, True),
+              ("zigzag", torch.float64, None, False), ("contiguous", torch.float32, None, False),
+              ("zigzag", torch.bfloat16, None, False)]  # (layout, dtype, window, fused)
 # bf16: the ring computes in float32 from bf16 inputs, against one device in float64 from the same bf16 numbers;
 # what remains is the rounding of each result to bf16 (8 significant bits: 2^-9 relative) and a float32 sum
 TOLERANCE = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 2 ** -7}
@@ -34,11 +36,11 @@ def _full_attention(q, k, v, window, grad_out):
 def _ring_rank(rank, R, cases):
     ring.QUERY_TILE = 5  # several query tiles a block
     results = []
-    for layout, dtype, window in cases:
+    for layout, dtype, window, fused in cases:
         index = ring.token_index(layout, rank, R, 24 // R)
         q, k, v, grad_out = (t.to(dtype)[:, index].requires_grad_() for t in qkv(2, 24, 4, 2, 8))
         ring.reset_ring_stats()
-        out = ring.ring_attention(q, k, v, dist.group.WORLD, layout, window)
+        out = ring.ring_attention(q, k, v, dist.group.WORLD, layout, window, fused=fused)
         out.backward(grad_out)
         results.append(([out.detach(), q.grad, k.grad, v.grad], {d: dict(c) for d, c in ring.ring_stats.items()}))
     return results
@@ -48,11 +50,12 @@ def _ring_rank(rank, R, cases):
 def test_ring_attention_matches_one_device(R):
     """Output and dq, dk, dv of ring attention on R ranks against one device: batch 2, GQA (4 query heads, 2 kv
     heads), zigzag and contiguous layouts, float64 within 1e-12 and float32 within 1e-5, bf16 within its rounding
-    (outputs and gradients come back in bf16), and a sliding window.
+    (outputs and gradients come back in bf16), and a sliding window; the fused block kernel and the einsum
+    tiles alike.
     Each rank sends R-1 key/value blocks forward; backward those again and R dk/dv accumulators in float32. A
     backward that computed with the wrong block (the first one, say, instead of the one that arrived) fails."""
     per_rank = run_ranks(R, _ring_rank, RING_CASES)
-    for i, (layout, dtype, window) in enumerate(RING_CASES):
+    for i, (layout, dtype, window, fused) in enumerate(RING_CASES):
         q, k, v, grad_out = (t.to(dtype) for t in qkv(2, 24, 4, 2, 8))
         want = [t.to(dtype) for t in _full_attention(*(t.double() for t in (q, k, v)), window, grad_out.double())]
         got = [torch.zeros_like(t) for t in want]
@@ -61,7 +64,7 @@ def test_ring_attention_matches_one_device(R):
             for full, part in zip(got, per_rank[rank][i][0]):
                 full[:, index] = part
         tolerance = TOLERANCE[dtype]
-        assert_all_close(got, want, tolerance, tolerance, where=f"R={R} {layout} {dtype} window={window}")
+        assert_all_close(got, want, tolerance, tolerance, where=f"R={R} {layout} {dtype} window={window} fused={fused}")
         kv_bytes = 2 * 2 * (24 // R) * 2 * 8 * dtype.itemsize  # k and v: B * L * Hkv * D elements each
         dkv_bytes = kv_bytes * 4 // min(4, dtype.itemsize)  # their gradients, in float32 or wider
         expected = {"forward": {"calls": R - 1, "bytes": (R - 1) * kv_bytes},
@@ -78,7 +81,7 @@ def _usp_rank(rank, P, U, R, heads, cases):
     results = []
     for dtype, window in cases:
         q, k, v, grad_out = (t.to(dtype)[:, index].requires_grad_() for t in qkv(2, S, *heads, 8))
-        attend = partial(ring.ring_attention, group=ring_group, window=window)
+        attend = partial(ring.ring_attention, group=ring_group, layout="zigzag", window=window)
         out = ulysses.ulysses_attention(q, k, v, ulysses_group, attend)
         out.backward(grad_out)
         results.append((index, [out.detach(), q.grad, k.grad, v.grad]))
@@ -116,3 +119,72 @@ def test_ring_work_is_balanced_by_zigzag():
         assert contiguous == sorted(contiguous) and contiguous[-1] == R * contiguous[0], R
     # zigzag on R ranks: my own block (a causal pair of chunks) and half of each other block
     assert ring.ring_work(4, 8, "zigzag") == [8 * 8 + 3 * 8 * 4] * 4
+
+
+def test_fused_kernel_covers_every_block_without_a_window():
+    """Without a window every block a ring meets, cut to what its queries see, is one of the two masks the fused
+    kernel takes: every key, or causal on the diagonal. With a window the cut blocks need the einsum tiles."""
+    for R in (1, 2, 3, 4):
+        for layout, window, fused in (("zigzag", None, True), ("contiguous", None, True), ("zigzag", 3, False)):
+            for r in range(R):
+                mine = ring.token_index(layout, r, R, 8)
+                for j in range(R):
+                    lo, hi = ring.key_ranges(mine, ring.token_index(layout, j, R, 8), window)
+                    if (part := ring.cut(lo, hi)) is not None:
+                        rows, cols = part
+                        mask = ring._fused_mask(lo[rows] - cols.start, hi[rows] - cols.start, cols.stop - cols.start)
+                        assert (mask is not None) == fused, (R, layout, window, r, j)
+
+
+def _options_rank(rank, R):
+    results = []
+    for layout, causal, fused in (("zigzag", False, True), ("contiguous", False, False), ("zigzag", True, True),
+                                  ("contiguous", True, False)):
+        index = ring.token_index(layout, rank, R, 24 // R)
+        q, k, v, grad_out = (t.double()[:, index].requires_grad_() for t in qkv(2, 24, 4, 2, 8))
+        out, lse = ring.ring_attention(q, k, v, dist.group.WORLD, layout, causal=causal, scale=0.3, return_lse=True,
+                                       fused=fused)
+        out.backward(grad_out)
+        results.append((index, [out.detach(), lse, q.grad, k.grad, v.grad]))
+    errors = []
+    for q in (torch.zeros(1, 12 if rank else 10, 4, 8), torch.zeros(1, 12, 4, 8, dtype=torch.float64 if rank else None)):
+        try:
+            ring.ring_attention(q, q, q, dist.group.WORLD, "zigzag")
+        except ValueError as e:
+            errors.append(str(e))
+    try:
+        ring.ring_attention(q, q, q, dist.group.WORLD)
+    except ValueError as e:
+        errors.append(str(e))
+    return results, errors
+
+
+def test_ring_options_lse_and_mismatched_ranks():
+    """causal=False, a softmax scale and the log-sum-exp as an output, on 3 ranks against one device in float64
+    (1e-12), the fused kernel and the einsum tiles, each layout. Ranks that hold different token counts or dtypes
+    get one error on every rank naming each rank's value, never a gloo abort; a ring called without its layout
+    is refused."""
+    R = 3
+    per_rank = run_ranks(R, _options_rank)
+    for i, causal in enumerate((False, False, True, True)):
+        q, k, v, grad_out = (t.double().requires_grad_() for t in qkv(2, 24, 4, 2, 8))
+        scores = torch.einsum("bqhd,bkhd->bhqk", q, k.repeat_interleave(2, dim=2)) * 0.3  # (B, Hq, S, S)
+        if causal:
+            scores = scores.masked_fill(torch.ones(24, 24, dtype=torch.bool).triu(1), float("-inf"))
+        out = torch.einsum("bhqk,bkhd->bqhd", scores.softmax(-1), v.repeat_interleave(2, dim=2))  # (B, S, Hq, D)
+        out.backward(grad_out)
+        want = [out.detach(), scores.logsumexp(-1).transpose(1, 2).detach(), q.grad, k.grad, v.grad]
+        got = [torch.zeros_like(t) for t in want]
+        for index, parts in (r[0][i] for r in per_rank):
+            for full, part in zip(got, parts):
+                full[:, index] = part
+        assert_all_close(got, want, 1e-12, 1e-12, where=f"case {i}")
+    for _, errors in per_rank:
+        assert errors == [
+            "the ranks of the ring hold inputs of different tokens: 10 on rank 0, 12 on rank 1, 12 on rank 2; each "
+            "must hold the same number of tokens of the same batch (shard_for_sp cuts them so)",
+            "the ranks of the ring hold inputs of different dtype: torch.float32 on rank 0, torch.float64 on rank 1, "
+            "torch.float64 on rank 2; each must hold the same number of tokens of the same batch (shard_for_sp cuts "
+            "them so)",
+            "layout=None: a ring of 3 ranks needs the layout its tokens were sharded in, 'zigzag' "
+            "(ulysses.shard_for_sp with a ring group) or 'contiguous'"]

@@ -238,7 +238,7 @@ dist.init_process_group("gloo")
 group = dist.group.WORLD  # held until the interpreter exits, as user scripts do
 q, k, v = (torch.randn(2, 16, 4, 8, requires_grad=True) for _ in range(3))
 ulysses.ulysses_attention(q, k, v, group).sum().backward()
-ring.ring_attention(q, k, v, group).sum().backward()  # the last communication: the ring's sends
+ring.ring_attention(q, k, v, group, "zigzag").sum().backward()  # the last communication: the ring's sends
 dist.destroy_process_group()
 """
 
