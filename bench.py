@@ -1,9 +1,10 @@
 """
-Every measurement of the project, one sub-command per README table. Measuring lives here, never in the files
+Every measurement of the project, one sub-command per topic of BENCHMARKS.md. Measuring lives here, never in the files
 that teach a concept, so those read as their lesson.
 
     python bench.py attention   # one attention layer: ulysses_attention against the kernel alone, three
-                                # all-to-alls (DeepSpeed's DistributedAttention) and all-gathered k, v; weak scaling
+                                # all-to-alls (DeepSpeed's DistributedAttention) and all-gathered k, v; weak scaling;
+                                # --check-cost: what ulysses_attention's input check costs a call
     python bench.py tiled       # what sequence tiling saves in the MLP and the loss (tiled.py)
     python bench.py deltanet    # the gated delta rule, chunked against the token-by-token recurrence; the layer
                                 # under SP, Ulysses against context parallelism (deltanet.py)
@@ -256,7 +257,42 @@ def _attention_bytes(name, P, S, args):
     return 0 if name.startswith("(a)") else 2 * (2 * H + 2 * Hkv) * B * S * D * (P - 1) // P**2 * e
 
 
+def _check_rank(rank, P, args):
+    """Seconds of ulysses_attention forward and backward, with its input check and without, interleaved."""
+    q, k, v = _attention_inputs(rank, P, args.seq_len, args)[:3]
+    seconds = {True: [], False: []}
+    for repetition in range(args.reps + 1):  # the first is a warm-up
+        for check in (True, False):
+            inputs = [t.detach().requires_grad_() for t in (q, k, v)]
+            dist.barrier()
+            start = time.perf_counter()
+            out = ulysses.ulysses_attention(*inputs, dist.group.WORLD, check=check)
+            torch.autograd.grad(out, inputs, torch.ones_like(out))
+            seconds[check].append(time.perf_counter() - start)
+    alone = []
+    for _ in range(101):  # the check by itself: the all-gather's own time, free of the layer's noise
+        dist.barrier()
+        start = time.perf_counter()
+        ulysses.check_inputs(q, k, v, dist.group.WORLD)
+        alone.append(time.perf_counter() - start)
+    return {**{check: statistics.median(times[1:]) for check, times in seconds.items()},
+            "alone": statistics.median(alone[1:])}
+
+
+def check_cost(args):
+    for P in args.sp:
+        with measuring(f"P={P}: ulysses_attention with and without its input check"):
+            seconds = run_ranks(P, _check_rank, args)
+        print(f"P={P} S={args.seq_len} H={args.heads} D={args.head_dim}, float32, forward and backward, median of "
+              f"{args.reps}: {seconds[True] * 1e3:.1f} ms with the check, {seconds[False] * 1e3:.1f} ms without: "
+              f"{(seconds[True] / seconds[False] - 1) * 100:+.1f}%; the check alone, median of 100 calls: "
+              f"{seconds['alone'] * 1e3:.3f} ms, {seconds['alone'] / seconds[False] * 100:.2f}% of the layer",
+              flush=True)
+
+
 def attention(args):
+    if args.check_cost:
+        return check_cost(args)
     B, H, D, Hkv = args.batch_size, args.heads, args.head_dim, args.kv_heads
     print(f"one attention layer, forward + backward: B={B} H={H} kv heads={Hkv} D={D}, float32, causal SDPA, gloo; "
           f"median of {args.reps}; overhead = time - (a), paired by repetition; middle half: its quartiles")
@@ -572,6 +608,8 @@ def main(argv=None):
     p.add_argument("--batch-size", type=int, default=1, help="sequences")
     p.add_argument("--reps", type=int, default=25, help="timed repetitions (after one warm-up)")
     p.add_argument("--memory", action=argparse.BooleanOptionalAction, default=True, help="measure peak memory")
+    p.add_argument("--check-cost", action="store_true", help="instead: ulysses_attention with its input check "
+                   "(one all-gather a call) against without it")
     p = commands.add_parser("tiled", help="memory of the MLP and the loss, tiled and not",
                             formatter_class=_HelpFormatter, allow_abbrev=False)
     p.add_argument("--seq-len", type=int, default=16384, help="tokens")

@@ -183,6 +183,38 @@ def test_shards_of_different_lengths_are_refused():
                                   "[(2, 3), (2, 4)] by rank")
 
 
+def _mismatched_inputs_rank(rank, world_size):
+    """ulysses_attention where rank 1 passes one token more, q of another dtype, or one query head more."""
+    messages = []
+    for tokens, dtype, heads in ((4 + rank, torch.float32, 4), (4, (torch.float32, torch.float64)[rank], 4),
+                                 (4, torch.float32, 4 + 2 * rank)):
+        q, k, v = (torch.randn(2, tokens, h, 8, dtype=dtype) for h in (heads, 2, 2))  # (B, S/P, heads, D)
+        try:
+            ulysses.ulysses_attention(q, k.to(dtype), v.to(dtype), dist.group.WORLD)
+        except ValueError as e:
+            messages.append(str(e))
+    return messages
+
+
+def test_ranks_that_pass_different_inputs_are_refused():
+    """Ranks whose q, k, v differ in tokens, dtype or heads: one error on every rank naming what differs and each
+    rank's value, not an abort inside gloo."""
+    for messages in run_ranks(2, _mismatched_inputs_rank):
+        assert messages == [f"ulysses_attention: the ranks of the SP group pass q, k, v of different {what}, "
+                            f"{values} by rank; each must pass the same batch, S/P tokens and heads"
+                            for what, values in (("tokens", [4, 5]), ("dtype", [torch.float32, torch.float64]),
+                                                 ("query heads", [4, 6]))]
+
+
+@pytest.mark.parametrize("labels_len, positions_shape, wrong", [(15, (2, 16), r"labels \(2, 15\)"),
+                                                                  (16, (16,), r"position_ids \(16,\)"),
+                                                                  (16, (2, 17), r"position_ids \(2, 17\)")])
+def test_shard_for_sp_names_the_argument_of_the_wrong_shape(labels_len, positions_shape, wrong):
+    ids = torch.zeros(2, 16, dtype=torch.long)
+    with pytest.raises(ValueError, match=rf"^shard_for_sp: input_ids \(2, 16\), {wrong}: want \[B, S\] each"):
+        ulysses.shard_for_sp(ids, torch.zeros(2, labels_len, dtype=torch.long), torch.zeros(positions_shape))
+
+
 COMPILE_CASES = {2: [(4, 2)], 3: [(6, 2)], 4: [(6, 3)]}  # P: (Hq, Hkv); GQA, and 3 and 4 split kv heads unevenly
 
 

@@ -109,7 +109,7 @@ def _one_tensor_exchange(x, group, scatter_dim, gather_dim, direction):
 # rule 3: attention over the full sequence
 
 
-def ulysses_attention(q, k, v, group=None, attn_fn=None, **attn_kwargs):
+def ulysses_attention(q, k, v, group=None, attn_fn=None, check=True, **attn_kwargs):
     """Attention over the full sequence when each rank holds S/P tokens.
 
     q [B, S/P, Hq, D], k and v [B, S/P, Hkv, D] -> [B, S/P, Hq, D]. attn_fn(q, k, v, **attn_kwargs) sees the
@@ -120,11 +120,14 @@ def ulysses_attention(q, k, v, group=None, attn_fn=None, **attn_kwargs):
     position_ids=gather_sequence(position_ids, group)). ring.ring_attention over a ring group makes it Ulysses x
     Ring. group=None or a group of one rank runs attn_fn directly. q, k and v travel in one all-to-all (the
     exchange of the previous section, generalized below) and the output in one more; backward the same.
+    check: first make sure every rank passes the same shapes and dtype (`check_inputs`; off while compiling).
     """
     attn_fn = attn_fn or causal_attention
     P, rank = size_and_rank(group)
     if P == 1:
         return attn_fn(q, k, v, **attn_kwargs)
+    if check and not torch.compiler.is_compiling():
+        check_inputs(q, k, v, group)
     n_head, n_kv_head = q.shape[2], k.shape[2]
     query_heads, kv_heads = head_layout(n_head, n_kv_head, P)
     q, k, v = seq_to_heads((q, k, v), group, (query_heads, kv_heads, kv_heads))  # (B, S, hq, D), (B, S, hkv, D) x2
@@ -403,6 +406,10 @@ def shard_for_sp(input_ids, labels, position_ids, group=None, ring_group=None):
     of R, P = U x R: S is padded to a multiple of 2P and cut into 2R chunks, ring rank r takes chunks r and
     2R-1-r (the zigzag order, which balances causal work), and its U Ulysses ranks split those two in order.
     """
+    for name, t in (("labels", labels), ("position_ids", position_ids)):
+        if input_ids.dim() != 2 or t.shape != input_ids.shape:
+            raise ValueError(f"shard_for_sp: input_ids {tuple(input_ids.shape)}, {name} {tuple(t.shape)}: want "
+                             f"[B, S] each, labels already shifted (labels[:, i] is the token after input_ids[:, i])")
     (U, u), (R, r) = size_and_rank(group), size_and_rank(ring_group)
     P = U * R
     pad = -input_ids.shape[1] % (P if R == 1 else 2 * P)
@@ -431,6 +438,28 @@ def global_valid_tokens(labels, group=None):
         with _gloo_lets_go(count):
             dist.all_reduce(count, group=group)
     return count.clamp(min=1)
+
+
+def check_inputs(q, k, v, group):
+    """ValueError on every rank, naming what differs and each rank's value, unless every rank of the group passes
+    q, k and v of the same sizes and dtype. The all-to-all's split sizes assume it; a mismatch would otherwise
+    abort the processes inside gloo. One all-gather of seven numbers a call: `python bench.py attention
+    --check-cost` measures it, and ulysses_attention(..., check=False) turns it off."""
+    names = ("batch size", "tokens", "query heads", "head size", "kv heads", "value head size", "dtype")
+    dtypes = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
+    mine = torch.tensor([*q.shape, k.shape[2], v.shape[3], dtypes.index(q.dtype)], device=q.device)  # (7,)
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    with _gloo_lets_go(mine, *every):
+        dist.all_gather(every, mine, group=group)
+    for name, values in zip(names, torch.stack(every).T.tolist()):  # (P, 7) -> 7 rows of P values
+        values = [dtypes[i] for i in values] if name == "dtype" else values
+        if len(set(values)) > 1:
+            raise ValueError(f"ulysses_attention: the ranks of the SP group pass q, k, v of different {name}, "
+                             f"{values} by rank; each must pass the same batch, S/P tokens and heads")
+    if k.shape != v.shape[:3] + k.shape[3:] or q.shape[:2] != k.shape[:2] or not q.dtype == k.dtype == v.dtype:
+        raise ValueError(f"ulysses_attention: q {tuple(q.shape)} {q.dtype}, k {tuple(k.shape)} {k.dtype}, v "
+                         f"{tuple(v.shape)} {v.dtype}: want q [B, S/P, Hq, D], k [B, S/P, Hkv, D] and v "
+                         f"[B, S/P, Hkv, Dv] of one dtype")
 
 
 def check_shards(x, group=None):
