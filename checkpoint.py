@@ -214,9 +214,6 @@ def save(args, step, model, zero, optimizer, world_size, rank):
     manifest = {"step": step, "files": {name: f for m in markers.values() for name, f in m["files"].items()}}
     with heartbeat(os.path.join(tmp, "rank_00000.alive"), every):  # the others wait for the manifest
         write_files(tmp, {MANIFEST: manifest})  # last: a checkpoint with a manifest is complete
-        for old in checkpoints(args.out_dir)[args.keep - 1:] if args.keep else []:  # --keep N: the newest N
-            os.replace(old, old + ".deleting")  # no longer a checkpoint, before it is taken apart
-            shutil.rmtree(old + ".deleting")
     for r in range(world_size):
         for name in (f"rank_{r:05d}.json", f"rank_{r:05d}.alive"):
             with suppress(FileNotFoundError):
@@ -225,6 +222,9 @@ def save(args, step, model, zero, optimizer, world_size, rank):
     directory = os.open(args.out_dir, os.O_RDONLY)  # the rename itself reaches the disk
     os.fsync(directory)
     os.close(directory)
+    for old in checkpoints(args.out_dir)[args.keep:] if args.keep else []:  # --keep N: the newest N, once the new
+        os.replace(old, old + ".deleting")  # one is in place; no longer a checkpoint, before it is taken apart
+        shutil.rmtree(old + ".deleting")
     size = sum(f["bytes"] for f in manifest["files"].values())
     tqdm.write(f"saved {final}: {len(manifest['files'])} files, {size / 2**20:,.2f} MiB, in "
                f"{time.perf_counter() - t0:.2f} s")
@@ -340,7 +340,8 @@ def find(args, world_size, control, lr_at):
         shutil.rmtree(damaged + ".damaged", ignore_errors=True)
         os.replace(damaged, damaged + ".damaged")
     trainer, run = torch.load(os.path.join(path, "trainer.pt"), weights_only=True), run_flags(args, world_size)
-    if not args.resume and trainer["run"] != os.environ.get("TORCHELASTIC_RUN_ID"):  # torchrun's restart of another
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID")  # "none" unless torchrun has --rdzv-id (--standalone makes one)
+    if not args.resume and (trainer["run"] != run_id or run_id in (None, "none")):  # another run's, or unknown
         fail(f"--out-dir {args.out_dir} already holds checkpoints of another run; add --resume to continue from "
              f"{os.path.basename(path)}, or choose another directory")
     if trainer["step"] > args.steps:

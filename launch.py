@@ -6,7 +6,7 @@ together, and they must end together: a copy that stops while the others wait in
 hanging, and a copy that exits 0 from a failed run tells its node's launcher that the run succeeded. So:
 
   1. every rank checks the flags on its own, before any process waits on another (`check_args`): they all find
-     the same mistake, rank 0 prints it, and every rank exits 1;
+     the same mistake, the first rank of each node prints it, and every rank exits 1;
   2. then the process group, and the dp x ring x ulysses mesh on it (`process_groups`), plus a gloo "control"
      group whose waits have no deadline, for agreeing on problems; every rank beats in the group's store. Before
      the mesh, the ranks compare their flags, and after reading the data its bytes (`same_everywhere`): nodes
@@ -51,7 +51,8 @@ MODEL_FIELDS = ("n_layer", "n_head", "n_kv_head", "n_embd", "window", "layer_pat
 
 class Mistake(Exception):
     """A mistake the user can fix, or a run that cannot go on. alike: every rank finds the same one (the flags, a
-    non-finite loss, a checkpoint all ranks read), so rank 0 alone prints it; else the rank that found it does."""
+    non-finite loss, a checkpoint all ranks read), so the first rank of each node prints it (one line a node's
+    log); else the rank that found it does."""
 
     def __init__(self, message, alike=True):
         super().__init__(message)
@@ -78,13 +79,21 @@ def one_line_errors():
     try:
         yield
     except Mistake as e:
-        if e.alike and rank != 0:
-            time.sleep(2)
-            raise SystemExit(1) from None
+        if e.alike and int(os.environ.get("LOCAL_RANK", 0)) != 0:  # each node's first rank says it, once a node
+            leave_quietly(1)
         raise SystemExit(f"train.py: error: {'' if e.alike else f'rank {rank}: '}{e}") from None
     finally:
         for signum, handler in before.items():
             signal.signal(signum, handler)
+
+
+def leave_quietly(status):
+    """Exit with `status` and no line, a moment late: one torchrun stops every worker as soon as one fails, and the
+    line that a peer is printing should get out first. Stopped meanwhile (torchrun's SIGTERM), it leaves silently."""
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda *_: os._exit(status))
+    time.sleep(2)
+    raise SystemExit(status)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -92,14 +101,13 @@ def one_line_errors():
 
 
 class Parser(argparse.ArgumentParser):
-    """argparse, whose mistakes (an unknown flag, a value of the wrong type) rank 0 alone prints; every rank exits
-    2, as argparse does."""
+    """argparse, whose mistakes (an unknown flag, a value of the wrong type) each node's first rank alone prints;
+    every rank exits 2, as argparse does."""
 
     def error(self, message):
-        if int(os.environ.get("RANK", 0)) == 0:
+        if int(os.environ.get("LOCAL_RANK", 0)) == 0:
             super().error(message)
-        time.sleep(2)  # let rank 0's line out before torchrun stops every worker
-        raise SystemExit(2)
+        leave_quietly(2)
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -286,15 +294,20 @@ def process_groups(args, world_size):
             store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
                                   is_master=rank == 0 and not hosted, timeout=timeout)
             store = dist.PrefixStore(f"restart_{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}", store)
-            dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout,
-                                    device_id=device if device.type == "cuda" else None)
+            try:
+                dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout,
+                                        device_id=device if device.type == "cuda" else None)
+            except RuntimeError as e:  # a rank that never came (its flags failed on its own node, say)
+                fail(f"the {world_size} ranks did not all join within --timeout {args.timeout:g} s; look for the "
+                     f"line of a rank that stopped ({str(e).splitlines()[0]})", alike=False)
         else:  # plain `python train.py`: a group of one
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
-    control = dist.new_group(backend="gloo", timeout=datetime.timedelta(days=1))
+    control, mesh = dist.new_group(backend="gloo", timeout=datetime.timedelta(days=1)), None
     try:
         # the flags shape every collective to come, so the ranks compare them first (paths may differ by machine)
-        same_everywhere(control, {f"--{name.replace('_', '-')}": value for name, value in vars(args).items()
-                                  if name not in ("data", "metrics", "out_dir")})
+        same_everywhere(control, {**{f"--{name.replace('_', '-')}": value for name, value in vars(args).items()
+                                     if name not in ("data", "metrics", "out_dir")},
+                                  "whether --out-dir is given": args.out_dir is not None})
         mesh = init_device_mesh(device.type, (world_size // args.sp, args.ring, args.sp // args.ring),
                                 mesh_dim_names=("dp", "ring", "ulysses"))
         # mesh ranks = arange(world).view(dp, ring, ulysses): an SP group is sp consecutive ranks, a Ulysses group
@@ -304,7 +317,11 @@ def process_groups(args, world_size):
     finally:
         dist.destroy_process_group(control)
         if owns_process_group:
-            dist.destroy_process_group()
+            dist.destroy_process_group()  # and every group made on it
+        else:  # the caller's group lives on: the mesh's own groups go
+            for group in {mesh.get_group(name) for name in mesh.mesh_dim_names} if mesh is not None else ():
+                if group != dist.group.WORLD:  # a mesh dimension that spans every rank reuses the caller's group
+                    dist.destroy_process_group(group)
 
 
 def pulse(rank, every=0.5):
@@ -364,8 +381,7 @@ def stop_on(problems, rank):
         other_node = first // int(os.environ.get("LOCAL_WORLD_SIZE", 1)) > 0
         if rank == first or (rank == 0 and other_node):
             raise SystemExit(f"train.py: error: rank {first}: {problems[first]}")
-        time.sleep(2)  # let the line out before torchrun stops every worker
-        raise SystemExit(1)
+        leave_quietly(1)
 
 
 def same_everywhere(control, values):

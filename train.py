@@ -162,6 +162,9 @@ def train(args, world_size, mesh, device, documents, resume_from, control):
                 metrics.write(history[-1])
             if args.out_dir and (step + 1 == args.steps or args.save_every and (step + 1) % args.save_every == 0):
                 checkpoint.save(args, step + 1, model, zero, optimizer, world_size, rank)
+        bar.close()
+        if history:  # the summary counts the model state, the last step's gradients included
+            summarize(args, history, model, optimizer, n_params, world_size, device, rank)
     except RuntimeError as e:
         raise launch.collective_failure(e, rank, step, args.timeout) from None
     finally:
@@ -169,8 +172,6 @@ def train(args, world_size, mesh, device, documents, resume_from, control):
         bar.close()
         if metrics:
             metrics.close()
-    if history:  # the summary counts the model state, the last step's gradients included
-        summarize(args, history, model, optimizer, n_params, world_size, device, rank)
     return history
 
 
