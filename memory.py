@@ -211,10 +211,12 @@ class PeakMemory:
         self.model, self.optimizer, self.zero, self.device, self.bytes = model, optimizer, zero, device, None
 
     def existing(self):
-        """The tensors made before the step that it may hold: the model's, its gradients, AdamW's moments, and
-        ZeRO-3's gathered units (their storage is 0 bytes while freed)."""
-        return [*self.model.parameters(), *self.model.buffers(),
-                *(p.grad for p in self.model.parameters() if p.grad is not None),
+        """The tensors made before the step that it may hold: the model's, the optimizer's parameters (under ZeRO-3
+        its shards, which the model no longer holds) and their gradients, AdamW's moments, and ZeRO-3's gathered
+        units (their storage is 0 bytes while freed)."""
+        optimized = [p for group in self.optimizer.param_groups for p in group["params"]]
+        return [*self.model.parameters(), *self.model.buffers(), *optimized,
+                *(p.grad for p in [*self.model.parameters(), *optimized] if p.grad is not None),
                 *(t for state in self.optimizer.state.values() for t in state.values() if torch.is_tensor(t)),
                 *([unit.full for unit in self.zero.units] if self.zero else [])]
 
@@ -240,7 +242,8 @@ class StorageBytes(TorchDispatchMode):
     """Counts the bytes of tensor storage alive while it is entered, and keeps the largest count (`.peak`). Every
     op's outputs pass through it: a storage it has not seen adds its bytes, and subtracts them when it is freed
     (a finalizer). The storages of `existing` tensors are counted once at the start. ZeRO-3 frees and refills its
-    gathered units by resizing their storage, which no op shows, so resize_ is watched while it is entered. The
+    gathered units by resizing their storage, which no op shows, so UntypedStorage.resize_ is watched while it is
+    entered (Tensor.resize_ of a storage already counted, and out= ops that grow one, are not: nothing here uses them). The
     cost is a few dictionary operations an op, whatever the model's depth."""
 
     def __init__(self, existing):
