@@ -72,8 +72,9 @@ evolves by the transitions alone, so the final state is [h_ext | M]. The outputs
 o_t = o_t(from 0) + s^T (T_t^T q_t), and the appended columns' outputs are T_t^T q_t (T_t: the transitions
 up to t). The convolution takes the W-1 tokens before a rank's first one from the rank that holds them
 (zeros at the sequence start, with their document starts). Backward is the same fold the other way: the
-gather's gradient sums each rank's part back to it. With a ring a rank's tokens are two runs of the sequence
-(the zigzag order), each a link of the chain. Any number of ranks, and the bytes do not grow with S:
+gather's gradient sums each rank's part back to it. With a ring, the zigzag order gives a rank one run of the
+sequence or two (two when its Ulysses group has one rank, or an odd number and it sits in the middle), each a
+link of the chain. Any number of ranks, and the bytes do not grow with S:
 (P-1) x [Dk, Dv + Dk] a value head and W-1 tokens, per run and row, forward and backward alike.
 
 The file reads: the recurrence, the chunked form, the convolution, the context-parallel way, gated_delta_net, the
@@ -441,7 +442,7 @@ class GatedDeltaNet(nn.Module):
 
     def context_bytes(self, batch, tokens, element_bytes):
         """(forward, backward) bytes this rank sends per call on the context-parallel way, `tokens` local tokens in
-        each of `batch` rows: for each of n runs (the most a rank has: 1, or 2 with a ring) and row, to each of the
+        each of `batch` rows: for each of n runs (the most a rank has: 1, or 2 in some zigzag orders) and row, to each of the
         P-1 other ranks, the summary [h_ext | M], [Dk, Dv + Dk] a value head in float32 (or wider), and the last
         W-1 tokens before the convolution (2*Hk*Dk + Hv*Dv channels and a document-start flag) in the compute
         dtype. Backward sends their gradients the same way: the same bytes. Independent of the sequence length."""

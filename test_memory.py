@@ -1,6 +1,6 @@
 """
 Tests of the memory prediction against what a run holds: the predicted peak per rank within 20% of the peak
-MemTracker measures; a run that cannot fit is refused before it starts, and --plan prints what would fit; the
+memory.PeakMemory measures; a run that cannot fit is refused before it starts, and --plan prints what would fit; the
 README's --plan lines run as written; a ring run's bytes, plan and memory.
 """
 
@@ -28,8 +28,8 @@ def _memory_rank(rank, world_size, runs):
 
 @pytest.mark.parametrize("world_size", [1, 2, 4])
 def test_memory_prediction_is_within_20_percent(world_size):
-    """train.py's predicted peak per rank against the peak MemTracker measures, for sp 1, 2 and 4, with and
-    without tiles and recomputation, at 1k and 4k tokens (configurations of the README's memory table)."""
+    """train.py's predicted peak per rank against the peak it measures, for sp 1, 2 and 4, with and without
+    tiles and recomputation, at 1k and 4k tokens (configurations of BENCHMARKS.md's memory table)."""
     per_rank = run_ranks(world_size, _memory_rank, MEMORY_RUNS[world_size])
     for argv, peak in zip(MEMORY_RUNS[world_size], map(max, zip(*per_rank))):  # the busiest rank
         args = launch.parse_args(argv + ["--batch-size", "1"])
