@@ -243,8 +243,8 @@ class StorageBytes(TorchDispatchMode):
     op's outputs pass through it: a storage it has not seen adds its bytes, and subtracts them when it is freed
     (a finalizer). The storages of `existing` tensors are counted once at the start. ZeRO-3 frees and refills its
     gathered units by resizing their storage, which no op shows, so UntypedStorage.resize_ is watched while it is
-    entered (Tensor.resize_ of a storage already counted, and out= ops that grow one, are not: nothing here uses them). The
-    cost is a few dictionary operations an op, whatever the model's depth."""
+    entered (Tensor.resize_ of a storage already counted, and out= ops that grow one, are not: nothing here uses
+    them). The cost is a few dictionary operations an op, whatever the model's depth."""
 
     def __init__(self, existing):
         super().__init__()

@@ -156,7 +156,9 @@ def train(args, world_size, mesh, device, documents, resume_from, control):
             progress.end()
             tokens = dp * args.grad_accum * args.batch_size * args.seq_len  # the global batch's, padding excluded
             history.append({"step": step + 1, "loss": loss, "grad_norm": grad_norm, "lr": lr, "tokens": tokens,
-                            "seconds": seconds, "accuracy": accuracy, **({"peak_bytes": peak.bytes} if measured else {})})
+                            "seconds": seconds, "accuracy": accuracy})
+            if measured:  # the measured step's line carries the peak, the largest over the ranks
+                history[-1]["peak_bytes"] = peak.bytes
             bar.set_postfix(loss=f"{loss:.4f}", acc=f"{accuracy:.3f}", tok_s=f"{tokens / seconds:.0f}")
             if metrics:
                 metrics.write(history[-1])
