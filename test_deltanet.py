@@ -188,8 +188,7 @@ def _context_rank(rank, world_size, U, R):
 def test_context_layer_equals_one_device(U, R):
     """The context-parallel layer on P = U x R ranks, in the SP group's token order (zigzag with a ring: at U = 1
     a rank's tokens are two runs of the sequence; at U = 2 one; at U = 3 one for some ranks, two for the middle
-    one), against
-    the layer on one device: output, input gradient and every parameter gradient, float64 within 1e-10 and
+    one), against the layer on one device: output, input gradient and every parameter gradient, float64 within 1e-10 and
     float32 within 1e-5, one document a row and packed documents; 2 key and 4 value heads with Dk 8 and Dv 12,
     and 1 key and 2 value heads on more ranks than value heads. Each rank sends the bytes of the formula."""
     per_rank = run_ranks(U * R, _context_rank, U, R)
