@@ -445,7 +445,8 @@ class GatedDeltaNet(nn.Module):
         each of `batch` rows: for each of n runs (the most a rank has: 1, or 2 in some zigzag orders) and row, to
         each of the P-1 other ranks, the summary [h_ext | M], [Dk, Dv + Dk] a value head in float32 (or wider),
         and the last W-1 tokens before the convolution (2*Hk*Dk + Hv*Dv channels and a document-start flag) in the
-        compute dtype. Backward sends their gradients the same way: the same bytes. Independent of the sequence length."""
+        compute dtype. Backward sends their gradients the same way: the same bytes. Independent of the sequence
+        length."""
         Hk, Hv, Dk, Dv = self.dims
         if self.parallel != "context":
             return 0, 0
