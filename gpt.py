@@ -220,14 +220,13 @@ class GPT(nn.Module):
         sequence, or, with packed=True, in each document (0 where a document starts, and only there)."""
         for group in (self.sp_group, self.ring_group):  # one tiny collective each, before a mismatch could hang
             check_shards(idx, group)
-        if packed and self.ring_group:
-            raise ValueError("packed documents are not supported with a ring: use one document a row")
         window = self.cfg.window
         # the kernels run on the full sequence, so with packing they need the document starts of the full sequence
         full_positions = gather_sequence(position_ids, self.sp_group) if packed else None
-        ring = partial(ring_attention, group=self.ring_group, layout="zigzag", window=window or None)  # shard_for_sp's
-        attend = {"a": partial(document_attention, position_ids=full_positions, window=window) if packed else
-                  ring if self.ring_group else
+        ring = partial(ring_attention, group=self.ring_group, layout="zigzag", window=window or None,  # shard_for_sp's
+                       position_ids=full_positions)  # with a ring: the positions of my ring rank's tokens
+        attend = {"a": ring if self.ring_group else
+                  partial(document_attention, position_ids=full_positions, window=window) if packed else
                   partial(sliding_window_attention, window=window) if window else causal_attention,
                   "d": partial(gated_delta_net, starts=None if not packed else  # context: its own tokens' starts
                                position_ids == 0 if self.cfg.gdn_parallel == "context" else full_positions == 0)}

@@ -243,14 +243,10 @@ def divisors(n):
 
 
 def ring_refusal(args):
-    """The first flag that keeps a ring from running, with the reason; "" when a ring can run."""
-    for flag, used, reason in (("--pack", args.pack, "the ring attends one document a row"),
-                               ("--compile", args.compile, "the ring's sends are not traced"),
-                               ("--gdn-parallel ulysses", "d" in args.layer_pattern and args.gdn_parallel == "ulysses",
-                                "its Gated DeltaNet layers need whole heads of the whole sequence "
-                                "(--gdn-parallel context runs beside a ring)")):
-        if used:
-            return f"{flag}: {reason}"
+    """The flag that keeps a ring from running, with the reason; "" when a ring can run."""
+    if "d" in args.layer_pattern and args.gdn_parallel == "ulysses":
+        return ("--gdn-parallel ulysses: its Gated DeltaNet layers need whole heads of the whole sequence "
+                "(--gdn-parallel context runs beside a ring)")
     return ""
 
 

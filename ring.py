@@ -43,9 +43,13 @@ in each of the R Ulysses groups form a ring. This is all it takes:
 The all-to-all gives each rank whole heads of its ring block, the ring runs over the blocks, and the all-to-all
 gives the heads back. ulysses.shard_for_sp lays the tokens out in the zigzag order for it.
 
+Packed documents. A query sees the keys of its own document only. Documents start where the global positions
+are 0, so each rank learns every token's document once (an all-gather of the position ids), and a block's keys
+that a query sees are still one run. A block may then be wholly visible, partly visible or invisible to a query.
+
 The attention over one block is a fused flash kernel that returns the log-sum-exp (PyTorch's on CPU; flash-attn's
 or PyTorch's on CUDA), with einsum tiles beside it as the readable reference, and for the blocks the fused kernel
-does not take (a sliding window's).
+does not take (a sliding window's, and those a document starts or ends in).
 
 The file reads down the call path: `ring_attention`, the ring itself (forward and backward), one step of it, the
 attention over one block, and last the token layout and the plumbing (with the fused kernels). It depends on torch
@@ -57,6 +61,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.distributed_c10d import _resolve_process_group
 
 try:  # optional, CUDA only: flash-attn's kernels, whose forward returns the log-sum-exp
     from flash_attn.flash_attn_interface import _flash_attn_backward, _flash_attn_forward
@@ -65,7 +70,7 @@ except ImportError:
 
 
 def ring_attention(q, k, v, group=None, layout=None, window=None, causal=True, scale=None, return_lse=False,
-                   fused=True):
+                   fused=True, position_ids=None):
     """Attention over a sequence whose tokens are split over the R ranks of `group`, causal unless causal=False.
 
     q [B, L, Hq, D], k and v [B, L, Hkv, D] with Hq a multiple of Hkv: this rank's L tokens, laid out as
@@ -73,11 +78,13 @@ def ring_attention(q, k, v, group=None, layout=None, window=None, causal=True, s
     and 2R-1-r of 2R, what ulysses.shard_for_sp gives with a ring group) or "contiguous" (tokens [r*L, (r+1)*L)).
     Returns [B, L, Hq, D], and with return_lse=True also the log-sum-exp of each query's scores [B, L, Hq] in
     float32 (not differentiable). window: sliding-window attention over the last `window` tokens. scale: of the
-    scores, 1/sqrt(D) by default. fused=False computes every block with the einsum tiles (the reference) instead
-    of the fused kernel. Ranks whose q, k or v differ in shape or dtype get one ValueError on every rank, naming
-    each rank's value (one all-gather of 8 numbers a call). Differentiable; forward and
-    backward each move R-1 key/value blocks per rank, backward also R dk/dv blocks (in float32, or float64 for
-    float64 inputs).
+    scores, 1/sqrt(D) by default. position_ids [B, L] (packed documents): the global positions of this rank's
+    tokens, as shard_for_sp gives them; a document starts where they are 0, and a query sees keys of its own
+    document only (one all-gather of them a call). fused=False computes every block with the einsum tiles (the
+    reference) instead of the fused kernel. Ranks whose q, k or v differ in shape or dtype get one ValueError on
+    every rank, naming each rank's value (one all-gather of 6 numbers a call). Differentiable, and traceable by
+    torch.compile without packed documents; forward and backward each move R-1 key/value blocks per rank,
+    backward also R dk/dv blocks (in float32, or float64 for float64 inputs).
     group=None or a group of one rank: attention over this rank's tokens alone.
     """
     R = size_and_rank(group)[0]
@@ -94,76 +101,87 @@ def ring_attention(q, k, v, group=None, layout=None, window=None, causal=True, s
                          f"(shard_for_sp pads the sequence to a multiple of 2 x the SP size)")
     if R > 1 and not torch.compiler.is_compiling():
         check_same_inputs(q, k, group)
-    mask = Mask(layout if R > 1 else "contiguous", window, causal, q.shape[-1] ** -0.5 if scale is None else scale)
-    out, lse = _RingAttention.apply(q, k, v, group, mask, fused)
+    layout = layout if R > 1 else "contiguous"
+    documents = None if position_ids is None else document_ids(position_ids, group, layout)  # (B, S)
+    out, lse = _ring_forward(q, k, v, documents, "" if group is None else group.group_name, layout, window, causal,
+                             q.shape[-1] ** -0.5 if scale is None else scale, fused)
     return (out, lse.transpose(1, 2)) if return_lse else out  # lse (B, Hq, L) -> (B, L, Hq)
 
 
-class _RingAttention(torch.autograd.Function):
-    """The ring of the opening docstring: forward passes key/value blocks around and merges, backward runs a
-    second ring that carries each block's dk and dv home. Inside, tensors are head-major, [B, heads, L, D], as
-    the block kernels take them: views of the [B, L, heads, D] inputs, no copies."""
+# The ring of the opening docstring as two operators of their own (torch.library.custom_op), forward and backward,
+# so that torch.compile traces a model through it as one call (shapes and backward are registered at the end of
+# the file). The group travels by name. Inside, tensors are head-major, [B, heads, L, D], as the block kernels take
+# them: views of the [B, L, heads, D] inputs, no copies. documents [B, S]: each token's document in sequence order
+# (document_ids), or None.
 
-    @staticmethod
-    def forward(ctx, q, k, v, group, mask, fused):
-        R, r = size_and_rank(group)
-        B, L, Hq, D = q.shape
-        mine = token_index(mask.layout, r, R, L)
-        with torch.autocast(q.device.type, enabled=False):  # the whole ring in float32 (or float64), whatever autocast
-            q_heads = _wide(q).transpose(1, 2)  # (B, L, Hq, D) -> (B, Hq, L, D), a view
-            kv = torch.stack([k, v])  # (2, B, L, Hkv, D): one message a step, in the input dtype
-            for step in range(R):  # at step s this rank holds the block of rank r - s
-                if step < R - 1:
-                    incoming = pass_on(kv, group, "forward")  # sent while this block is computed on
-                if (block := _block(mine, mask, (r - step) % R, R, kv)) is not None:
-                    rows, _, lo, hi, block_k, block_v = block
-                    block_out, block_lse = block_attention(q_heads[:, :, rows], block_k, block_v, lo, hi, mask.scale,
-                                                           fused)
-                    if step == 0:  # my own block: every query sees itself, so every row is filled here
-                        out, lse = block_out, block_lse  # (B, Hq, L, D), (B, Hq, L)
-                    else:
-                        merge(out[:, :, rows], lse[:, :, rows], block_out, block_lse)
-                if step < R - 1:
-                    kv = arrived(*incoming)
-        out = out.transpose(1, 2).to(q.dtype)  # (B, Hq, L, D) -> (B, L, Hq, D)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.group, ctx.mask, ctx.fused = group, mask, fused
-        ctx.mark_non_differentiable(lse)
-        return out, lse
 
-    @staticmethod
-    def backward(ctx, dout, _):
-        q, k, v, out, lse = ctx.saved_tensors
-        group, mask, fused = ctx.group, ctx.mask, ctx.fused
-        R, r = size_and_rank(group)
-        B, L, Hq, D = q.shape
-        Hkv, dtype = k.shape[2], q.dtype
-        mine = token_index(mask.layout, r, R, L)
-        with torch.autocast(q.device.type, enabled=False):
-            q, out, dout = (_wide(t).transpose(1, 2) for t in (q, out, dout))  # (B, L, Hq, D) -> (B, Hq, L, D)
-            wide = torch.promote_types(dtype, torch.float32)  # the accumulators: float32, or float64
-            dq = torch.zeros(q.shape, dtype=wide, device=q.device)  # (B, Hq, L, D)
-            kv = torch.stack([k, v])  # (2, B, L, Hkv, D)
-            for step in range(R):
-                if step < R - 1:
-                    incoming = pass_on(kv, group, "backward")
-                dkv = dq.new_zeros(2, B, Hkv, L, D)  # this step's share of the block's dk and dv, a new buffer
-                if (block := _block(mine, mask, (r - step) % R, R, kv)) is not None:
-                    rows, cols, lo, hi, block_k, block_v = block
-                    block_dq, block_dk, block_dv = block_gradients(
-                        q[:, :, rows], block_k, block_v, out[:, :, rows], lse[:, :, rows], dout[:, :, rows], lo, hi,
-                        mask.scale, fused)
-                    dq[:, :, rows] += block_dq
-                    dkv[0, :, :, cols] += block_dk
-                    dkv[1, :, :, cols] += block_dv
-                if step > 0:  # what the ranks before me added to this block's accumulator
-                    dkv += arrived(*accumulator)
-                # on towards the block's home, where it arrives after step R-1 (a ring of one rank: home already)
-                accumulator = pass_on(dkv, group, "backward") if R > 1 else (dkv, [])
-                if step < R - 1:
-                    kv = arrived(*incoming)
-            dk, dv = arrived(*accumulator).transpose(2, 3)  # my own block's, with every rank's term: (B, L, Hkv, D)
-        return dq.transpose(1, 2).to(dtype), dk.to(dtype), dv.to(dtype), None, None, None
+@torch.library.custom_op("ring::attention", mutates_args=())
+def _ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: torch.Tensor | None, group_name: str,
+                  layout: str, window: int | None, causal: bool, scale: float,
+                  fused: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forward passes key/value blocks around and merges: (out [B, L, Hq, D], lse [B, Hq, L])."""
+    group = _group(group_name)
+    R, r = size_and_rank(group)
+    B, L, Hq, D = q.shape
+    mask = Mask(layout, window, causal, scale)
+    mine = token_index(layout, r, R, L)
+    with torch.autocast(q.device.type, enabled=False):  # the whole ring in float32 (or float64), whatever autocast
+        q_heads = _wide(q).transpose(1, 2)  # (B, L, Hq, D) -> (B, Hq, L, D), a view
+        wide = torch.promote_types(q_heads.dtype, torch.float32)
+        out = q_heads.new_empty(B, Hq, L, D, dtype=wide)  # filled at step 0: every query sees itself
+        lse = q_heads.new_empty(B, Hq, L, dtype=wide)
+        kv = torch.stack([k, v])  # (2, B, L, Hkv, D): one message a step, in the input dtype
+        for step in range(R):  # at step s this rank holds the block of rank r - s
+            if step < R - 1:
+                incoming = pass_on(kv, group, "forward")  # sent while this block is computed on
+            for batch, rows, _, lo, hi, block_k, block_v in _blocks(mine, mask, (r - step) % R, R, kv, documents):
+                block_out, block_lse = block_attention(q_heads[batch, :, rows], block_k, block_v, lo, hi, scale, fused)
+                if step == 0:  # my own block: every query sees itself, so every row is filled here
+                    out[batch, :, rows], lse[batch, :, rows] = block_out, block_lse
+                else:
+                    merge(out[batch, :, rows], lse[batch, :, rows], block_out, block_lse)
+            if step < R - 1:
+                kv = arrived(*incoming)
+    return out.transpose(1, 2).to(q.dtype).contiguous(), lse  # (B, Hq, L, D) -> (B, L, Hq, D)
+
+
+@torch.library.custom_op("ring::attention_backward", mutates_args=())
+def _ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                   lse: torch.Tensor, documents: torch.Tensor | None, group_name: str, layout: str,
+                   window: int | None, causal: bool, scale: float,
+                   fused: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Backward is a second ring that carries each block's dk and dv home: (dq, dk, dv) shaped as q, k, v."""
+    group = _group(group_name)
+    R, r = size_and_rank(group)
+    B, L, Hq, D = q.shape
+    Hkv, dtype = k.shape[2], q.dtype
+    mask = Mask(layout, window, causal, scale)
+    mine = token_index(layout, r, R, L)
+    with torch.autocast(q.device.type, enabled=False):
+        q, out, dout = (_wide(t).transpose(1, 2) for t in (q, out, dout))  # (B, L, Hq, D) -> (B, Hq, L, D)
+        wide = torch.promote_types(dtype, torch.float32)  # the accumulators: float32, or float64
+        dq = torch.zeros(q.shape, dtype=wide, device=q.device)  # (B, Hq, L, D)
+        kv = torch.stack([k, v])  # (2, B, L, Hkv, D)
+        for step in range(R):
+            if step < R - 1:
+                incoming = pass_on(kv, group, "backward")
+            dkv = dq.new_zeros(2, B, Hkv, L, D)  # this step's share of the block's dk and dv, a new buffer
+            for batch, rows, cols, lo, hi, block_k, block_v in _blocks(mine, mask, (r - step) % R, R, kv, documents):
+                block_dq, block_dk, block_dv = block_gradients(
+                    q[batch, :, rows], block_k, block_v, out[batch, :, rows], lse[batch, :, rows],
+                    dout[batch, :, rows], lo, hi, scale, fused)
+                dq[batch, :, rows] += block_dq
+                dkv[0, batch, :, cols] += block_dk
+                dkv[1, batch, :, cols] += block_dv
+            if step > 0:  # what the ranks before me added to this block's accumulator
+                dkv += arrived(*accumulator)
+            # on towards the block's home, where it arrives after step R-1 (a ring of one rank: home already)
+            accumulator = pass_on(dkv, group, "backward") if R > 1 else (dkv, [])
+            if step < R - 1:
+                kv = arrived(*incoming)
+        dk, dv = arrived(*accumulator).transpose(2, 3)  # my own block's, with every rank's term: (B, L, Hkv, D)
+    dk, dv = (t.to(dtype).clone(memory_format=torch.contiguous_format) for t in (dk, dv))  # outputs own their memory
+    return dq.transpose(1, 2).to(dtype).contiguous(), dk, dv  # dq (B, Hq, L, D) -> (B, L, Hq, D)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -188,16 +206,25 @@ def arrived(received, works):
     return received
 
 
-def _block(mine, mask, rank, R, kv):
-    """What my queries need of the key/value block of ring rank `rank`, held in kv [2, B, L, Hkv, D]: None if they
-    see none of it, else (rows, cols: the cut, as slices; the rows' (lo, hi) within cols; the keys and values of
-    cols, head-major and in float32 (or float64))."""
-    lo, hi = key_ranges(mine, token_index(mask.layout, rank, R, kv.shape[2]), mask.window, mask.causal)
-    if (part := cut(lo, hi)) is None:
-        return None
-    rows, cols = part
-    block_k, block_v = _wide(kv[:, :, cols]).transpose(2, 3)  # (B, Hkv, cols, D) each, views
-    return rows, cols, lo[rows] - cols.start, hi[rows] - cols.start, block_k, block_v
+def _blocks(mine, mask, rank, R, kv, documents):
+    """What my queries need of the key/value block of ring rank `rank`, held in kv [2, B, L, Hkv, D]: a list of
+    (batch: a slice of the batch's rows; rows, cols: the cut, as slices; the rows' (lo, hi) within cols; the keys
+    and values of cols, head-major and in float32 (or float64)), empty if my queries see none of it. Every row of
+    the batch sees the same keys, unless documents are packed: then each row has its own cut."""
+    theirs = token_index(mask.layout, rank, R, kv.shape[2])
+    if documents is None:
+        ranges = [(slice(None), key_ranges(mine, theirs, mask.window, mask.causal))]
+    else:
+        ranges = [(slice(b, b + 1), key_ranges(mine, theirs, mask.window, mask.causal, row[mine], row[theirs]))
+                  for b, row in enumerate(documents)]
+    blocks = []
+    for batch, (lo, hi) in ranges:
+        if (part := cut(lo, hi)) is None:
+            continue
+        rows, cols = part
+        block_k, block_v = _wide(kv[:, batch, cols]).transpose(2, 3)  # (B, Hkv, cols, D) each, views
+        blocks.append((batch, rows, cols, lo[rows] - cols.start, hi[rows] - cols.start, block_k, block_v))
+    return blocks
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -209,11 +236,12 @@ def _block(mine, mask, rank, R, kv):
 #
 #   fused    the block in one call of a flash-attention kernel that returns the log-sum-exp (`_fused_kernels`):
 #            PyTorch's on CPU, flash-attn's or PyTorch's on CUDA. It covers the two masks a ring without a window
-#            meets: every key (a block from another rank, or its cut) and causal on the diagonal (my own block,
-#            Lq = Lk). It never holds scores against a whole block.
+#            or documents meets: every key (a block from another rank, or its cut) and causal on the diagonal (my
+#            own block, Lq = Lk). With packed documents it takes the blocks that are one of these two (a block inside
+#            one document). It never holds scores against a whole block.
 #   tiles    the readable reference, in einsums, for any (lo, hi): QUERY_TILE queries at a time, so the scores in
 #            memory are [B, Hq, QUERY_TILE, Lk] at most. It takes the blocks the fused kernel does not cover: a
-#            sliding window's, and any block when fused=False.
+#            sliding window's, a block that a document starts or ends in, and any block when fused=False.
 
 QUERY_TILE = 512
 
@@ -323,14 +351,18 @@ def token_index(layout, rank, R, L):
     return torch.cat([torch.arange(rank * C, (rank + 1) * C), torch.arange((2 * R - 1 - rank) * C, (2 * R - rank) * C)])
 
 
-def key_ranges(q_index, k_index, window=None, causal=True):
-    """Which keys each query may see: causal (else all of them), and within the last `window` tokens if given.
-    Positions in both layouts rise along a rank's tokens, so the keys a query sees are one run of k_index: (lo, hi),
-    two [Lq] tensors, query i seeing keys lo[i] .. hi[i] - 1 (none when lo[i] = hi[i]). Never a [Lq, Lk] mask."""
+def key_ranges(q_index, k_index, window=None, causal=True, q_documents=None, k_documents=None):
+    """Which keys each query may see: causal (else all of them), within the last `window` tokens if given, and of
+    its own document if the tokens' documents are given ([Lq] and [Lk], rising like the positions). Positions in
+    both layouts rise along a rank's tokens, so the keys a query sees are one run of k_index: (lo, hi), two [Lq]
+    tensors, query i seeing keys lo[i] .. hi[i] - 1 (none when lo[i] = hi[i]). Never a [Lq, Lk] mask."""
     hi = torch.searchsorted(k_index, q_index, right=True)  # (Lq,): the keys at or before each query
     if not causal:
-        return torch.zeros_like(hi), torch.full_like(hi, len(k_index))
+        hi = torch.full_like(hi, len(k_index))
     lo = torch.searchsorted(k_index, q_index - window, right=True) if window else torch.zeros_like(hi)  # (Lq,)
+    if q_documents is not None:  # the keys of earlier documents and of later ones out
+        lo = torch.maximum(lo, torch.searchsorted(k_documents, q_documents))
+        hi = torch.minimum(hi, torch.searchsorted(k_documents, q_documents, right=True))
     return lo, hi
 
 
@@ -393,9 +425,29 @@ def check_same_inputs(q, k, group):
                              f"the same number of tokens of the same batch (shard_for_sp cuts them so)")
 
 
+def document_ids(position_ids, group, layout):
+    """position_ids [B, L] of this rank's tokens -> the document of every token of the ring's sequence [B, S], in
+    sequence order, on the CPU: 0, 1, 2, ... counting the places where positions are 0. One all-gather of the ring's
+    position ids (B*S integers, never a mask)."""
+    R = size_and_rank(group)[0]
+    every = [position_ids.contiguous()]  # (B, L) of each ring rank
+    if R > 1:
+        every = [torch.empty_like(every[0]) for _ in range(R)]
+        dist.all_gather(every, position_ids.contiguous(), group=group)
+    B, L = position_ids.shape
+    positions = torch.empty(B, R * L, dtype=position_ids.dtype)  # (B, S)
+    for rank, theirs in enumerate(every):
+        positions[:, token_index(layout, rank, R, L)] = theirs.cpu()
+    return (positions == 0).cumsum(1)  # (B, S)
+
+
 def size_and_rank(group):
     """(R, this process's rank in the ring); (1, 0) for group=None, a ring of one rank."""
     return (1, 0) if group is None else (dist.get_world_size(group), dist.get_rank(group))
+
+
+def _group(group_name):
+    return _resolve_process_group(group_name) if group_name else None
 
 
 def _fused_kernels(q):
@@ -458,3 +510,31 @@ def _wide(x):
     kernels are as fast and the ring exact; float32 and float64 stay as they are. On CUDA the fused kernels take
     16-bit inputs as they are, and return their output and lse in float32."""
     return x.float() if x.dtype in (torch.float16, torch.bfloat16) and not x.is_cuda else x
+
+
+# what torch.compile sees of the ring: the shapes of its outputs, and which operator is its backward
+
+
+@_ring_forward.register_fake
+def _ring_forward_shapes(q, k, v, documents, group_name, layout, window, causal, scale, fused):
+    B, L, Hq, _ = q.shape
+    return torch.empty_like(q), q.new_empty(B, Hq, L, dtype=torch.promote_types(q.dtype, torch.float32))
+
+
+@_ring_backward.register_fake
+def _ring_backward_shapes(dout, q, k, v, out, lse, documents, group_name, layout, window, causal, scale, fused):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _keep_ring(ctx, inputs, output):
+    q, k, v, documents, *ctx.options = inputs
+    ctx.save_for_backward(q, k, v, *output, documents)
+    ctx.mark_non_differentiable(output[1])
+
+
+def _ring_gradients(ctx, dout, _):
+    q, k, v, out, lse, documents = ctx.saved_tensors
+    return *_ring_backward(dout, q, k, v, out, lse, documents, *ctx.options), None, None, None, None, None, None, None
+
+
+_ring_forward.register_autograd(_ring_gradients, setup_context=_keep_ring)

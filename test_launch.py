@@ -43,7 +43,6 @@ from gpt import GPT, GPTConfig
     (4, ["--ring", "2", "--layer-pattern", "da"], r"--ring 2 cannot be used with --gdn-parallel ulysses: its Gated "
                                                   r"DeltaNet layers need whole heads of the whole sequence "
                                                   r"\(--gdn-parallel context runs beside a ring\); use --ring 1"),
-    (4, ["--ring", "2", "--pack"], r"--ring 2 cannot be used with --pack: the ring attends one document a row"),
     (4, ["--n-head", "8", "--n-kv-head", "6"], r"n_head=8 is not a multiple of n_kv_head=6"),
     (1, ["--metrics", "{empty}/metrics.jsonl"],
      r"--metrics: cannot make the folder .*empty.txt \(File exists\)"),

@@ -1,7 +1,7 @@
 """
 Tests of ring.py against one device: ring attention on 2, 3 and 4 ranks (zigzag and contiguous layouts, GQA, a
-sliding window, float64, float32 and bf16, and the bytes each rank sends), Ulysses x Ring (USP) on U x R ranks,
-and the causal work per rank of each layout.
+sliding window, packed documents, float64, float32 and bf16, and the bytes each rank sends), Ulysses x Ring (USP)
+on U x R ranks, and the causal work per rank of each layout.
 """
 
 from functools import partial
@@ -25,10 +25,14 @@ RING_CASES = [("zigzag", torch.float64, None, True), ("contiguous", torch.float6
 TOLERANCE = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 2 ** -7}
 
 
-def _full_attention(q, k, v, window, grad_out):
-    """One device: output and dq, dk, dv of causal (or sliding-window) attention over the whole sequence."""
+def _full_attention(q, k, v, window, grad_out, position_ids=None):
+    """One device: output and dq, dk, dv of causal (or sliding-window) attention over the whole sequence, inside
+    each document when position_ids are given."""
     q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
-    out = ulysses.sliding_window_attention(q, k, v, window) if window else ulysses.causal_attention(q, k, v)
+    if position_ids is not None:
+        out = ulysses.document_attention(q, k, v, position_ids, window)
+    else:
+        out = ulysses.sliding_window_attention(q, k, v, window) if window else ulysses.causal_attention(q, k, v)
     out.backward(grad_out)
     return [out.detach(), q.grad, k.grad, v.grad]
 
@@ -73,15 +77,62 @@ def test_ring_attention_matches_one_device(R):
         assert ring.ring_bytes(R, kv_bytes, dkv_bytes) == (expected["forward"]["bytes"], expected["backward"]["bytes"])
 
 
+# Packed documents in two rows of 24 tokens, each row its own. Row 0: documents at 0, 3, 12 (one token) and 13, the
+# last crossing every rank of a ring of up to 4 in both layouts; row 1: at 0, 1 and 12. 12 is a chunk boundary for
+# 2R = 4, 6 and 8 chunks, so documents start there on every ring tried.
+PACKED_STARTS = [[0, 3, 12, 13], [0, 1, 12]]
+PACKED_POSITIONS = torch.stack([torch.arange(24) - torch.tensor([max(s for s in starts if s <= i) for i in range(24)])
+                                for starts in PACKED_STARTS])  # (2, 24): 0 where a document starts
+
+
+def _packed_rank(rank, R, cases):
+    ring.QUERY_TILE = 5
+    results = []
+    for layout, dtype, window, fused in cases:
+        index = ring.token_index(layout, rank, R, 24 // R)
+        q, k, v, grad_out = (t.to(dtype)[:, index].requires_grad_() for t in qkv(2, 24, 4, 2, 8))
+        out = ring.ring_attention(q, k, v, dist.group.WORLD, layout, window, fused=fused,
+                                  position_ids=PACKED_POSITIONS[:, index])
+        out.backward(grad_out)
+        results.append([out.detach(), q.grad, k.grad, v.grad])
+    return results
+
+
+PACKED_CASES = [("zigzag", torch.float64, None, True), ("contiguous", torch.float64, None, True),
+                ("zigzag", torch.float32, None, True), ("contiguous", torch.float32, None, False),
+                ("zigzag", torch.float64, 3, True)]  # (layout, dtype, window, fused)
+
+
+@pytest.mark.parametrize("R", [2, 3, 4])
+def test_ring_packed_documents_match_one_device(R):
+    """Packed documents (PACKED_POSITIONS): output and dq, dk, dv of ring attention on R ranks against one device's
+    attention inside each document, float64 within 1e-12 and float32 within 1e-5, both layouts, a sliding window,
+    the fused kernel and the einsum tiles. A document crosses every rank, one starts at a chunk boundary, and the
+    two rows of the batch have different documents."""
+    per_rank = run_ranks(R, _packed_rank, PACKED_CASES)
+    for i, (layout, dtype, window, fused) in enumerate(PACKED_CASES):
+        q, k, v, grad_out = (t.to(dtype) for t in qkv(2, 24, 4, 2, 8))
+        want = _full_attention(q, k, v, window, grad_out, PACKED_POSITIONS)
+        got = [torch.zeros_like(t) for t in want]
+        for rank in range(R):
+            index = ring.token_index(layout, rank, R, 24 // R)
+            for full, part in zip(got, per_rank[rank][i]):
+                full[:, index] = part
+        assert_all_close(got, want, TOLERANCE[dtype], TOLERANCE[dtype],
+                         where=f"R={R} {layout} {dtype} window={window} fused={fused}")
+
+
 def _usp_rank(rank, P, U, R, heads, cases):
     ring.QUERY_TILE = 5  # several query tiles a block
     ulysses_group, ring_group = usp_groups(U, R)
     S = 24
     index = ulysses.shard_for_sp(*[torch.arange(S)[None]] * 3, ulysses_group, ring_group)[0][0]  # my global tokens
+    positions = ulysses.gather_sequence(PACKED_POSITIONS[:, index], ulysses_group)  # of my ring rank's tokens
     results = []
-    for dtype, window in cases:
+    for dtype, window, packed in cases:
         q, k, v, grad_out = (t.to(dtype)[:, index].requires_grad_() for t in qkv(2, S, *heads, 8))
-        attend = partial(ring.ring_attention, group=ring_group, layout="zigzag", window=window)
+        attend = partial(ring.ring_attention, group=ring_group, layout="zigzag", window=window,
+                         position_ids=positions if packed else None)
         out = ulysses.ulysses_attention(q, k, v, ulysses_group, attend)
         out.backward(grad_out)
         results.append((index, [out.detach(), q.grad, k.grad, v.grad]))
@@ -92,21 +143,23 @@ def _usp_rank(rank, P, U, R, heads, cases):
                                          (3, 2, (8, 2))])
 def test_ring_usp_matches_one_device(U, R, heads):
     """Ulysses x Ring on U x R ranks against one device, output and dq, dk, dv: float64 within 1e-12, float32
-    within 1e-5, and a sliding window. 4 query heads and 2 kv heads (with U = 4 each kv head travels to two
+    within 1e-5, a sliding window, and packed documents (PACKED_POSITIONS). 4 query heads and 2 kv heads (with U = 4 each kv head travels to two
     ranks), and 8 and 2 on U = 3 (uneven: 3, 3, 2 query heads, the middle rank using both kv heads).
     shard_for_sp gives each rank its tokens in the zigzag order, and every token to exactly one rank."""
-    cases = [(torch.float64, None), (torch.float32, None), (torch.float64, 5)]
+    cases = [(torch.float64, None, False), (torch.float32, None, False), (torch.float64, 5, False),
+             (torch.float64, None, True), (torch.float32, 5, True)]
     per_rank = run_ranks(U * R, _usp_rank, U, R, heads, cases)
     assert sorted(torch.cat([r[0][0] for r in per_rank]).tolist()) == list(range(24))
-    for i, (dtype, window) in enumerate(cases):
+    for i, (dtype, window, packed) in enumerate(cases):
         q, k, v, grad_out = (t.to(dtype) for t in qkv(2, 24, *heads, 8))
-        want = _full_attention(q, k, v, window, grad_out)
+        want = _full_attention(q, k, v, window, grad_out, PACKED_POSITIONS if packed else None)
         got = [torch.zeros_like(t) for t in want]
         for index, parts in (r[i] for r in per_rank):
             for full, part in zip(got, parts):
                 full[:, index] = part
         tolerance = TOLERANCE[dtype]
-        assert_all_close(got, want, tolerance, tolerance, where=f"U={U} R={R} heads={heads} {dtype} window={window}")
+        assert_all_close(got, want, tolerance, tolerance,
+                         where=f"U={U} R={R} heads={heads} {dtype} window={window} packed={packed}")
 
 
 def test_ring_work_is_balanced_by_zigzag():

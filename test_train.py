@@ -75,11 +75,13 @@ def test_training_with_uneven_heads(kv):
     (8, ["--sp", "4", "--ring", "2", "--batch-size", "4"], ["--n-kv-head", "2"]),  # ZeRO-3, the default
     (4, ["--sp", "4", "--ring", "2", "--batch-size", "8", "--zero", "fsdp2"], ["--n-head", "2", "--n-embd", "16"]),
     (4, ["--sp", "4", "--ring", "4", "--batch-size", "8", "--zero", "0"], ["--window", "20"]),
-], ids=["dp2xulysses2xring2-zero3-kv2", "ulysses2xring2-nhead2-fsdp2", "ring4-zero0-window"])
+    (2, ["--sp", "2", "--ring", "2", "--batch-size", "8"], ["--pack"]),
+], ids=["dp2xulysses2xring2-zero3-kv2", "ulysses2xring2-nhead2-fsdp2", "ring4-zero0-window", "ring2-packed"])
 def test_ring_training_matches_one_device(world_size, layout, model, tmp_path):
     """Ulysses x Ring training equals one process step by step (losses, gradient norms, final weights within 1e-5
     over 20 steps), with padding (101 tokens into 2 x sp chunks): dp 2 x Ulysses 2 x ring 2 with ZeRO-3 and GQA;
-    more SP ranks than heads (n_head 2, sp 4 = Ulysses 2 x ring 2) with FSDP2; a ring of 4 with a sliding window."""
+    more SP ranks than heads (n_head 2, sp 4 = Ulysses 2 x ring 2) with FSDP2; a ring of 4 with a sliding window;
+    a ring of 2 with packed documents."""
     extra = TRAIN_ARGS + ["--seq-len", "101"] + model
     one_process = ["--sp", "1", "--batch-size", "8"] + extra
     [(reference, reference_model)] = run_ranks(1, _train_rank, [(one_process, str(tmp_path / "one"))])[0]
@@ -185,11 +187,12 @@ def test_bf16_loss_follows_float32(tmp_path):
     torch.testing.assert_close(bf16, float32, rtol=0, atol=0.01)
 
 
-@pytest.mark.parametrize("world_size, layout", [(2, ["--sp", "2"]), (4, ["--sp", "2", "--batch-size", "4"])],
-                         ids=["sp2", "dp2xsp2"])
+@pytest.mark.parametrize("world_size, layout", [(2, ["--sp", "2"]), (4, ["--sp", "2", "--batch-size", "4"]),
+                                                (2, ["--sp", "2", "--ring", "2"])], ids=["sp2", "dp2xsp2", "ring2"])
 def test_compiled_training_inductor(world_size, layout):
     """--compile (each block through inductor, ZeRO-3's hooks eager) trains as eager does: 20 steps, same losses,
-    gradient norms and accuracy (slow: inductor compiles the blocks on every rank)."""
+    gradient norms and accuracy, also with a ring, whose passes are an operator in the graph (slow: inductor
+    compiles the blocks on every rank)."""
     argv = TRAIN_ARGS + ["--seq-len", "32"] + layout
     eager, compiled = run_ranks(world_size, _train_rank, [(argv, None), (argv + ["--compile"], None)])[0]
     assert_same_training(compiled[0], eager[0], f"--compile on {world_size} ranks")

@@ -9,13 +9,16 @@ script that exits 0 on every rank.
 import os
 import subprocess
 import sys
+from functools import partial
 
 import pytest
 import torch
 import torch.distributed as dist
+from torch._dynamo.testing import CompileCounterWithBackend
 
+import ring
 import ulysses
-from conftest import HERE, assert_all_close, qkv, run_ranks, sp_slice
+from conftest import HERE, assert_all_close, qkv, run_ranks, sp_slice, usp_groups
 from gpt import GPT, GPTConfig
 
 
@@ -255,6 +258,48 @@ def test_compiled_attention_inductor(world_size):
     """The same with inductor, which generates code around the exchange (slow: a compile per head layout)."""
     for rank_results in run_ranks(world_size, _compiled_attention_rank, "inductor"):
         assert rank_results == [(pytest.approx(0, abs=1e-6), 1)] * len(COMPILE_CASES[world_size])
+
+
+USP_COMPILE_CASES = {2: (1, 2, 4, 2), 3: (1, 3, 6, 2), 4: (2, 2, 6, 3)}  # P: (U, R, Hq, Hkv)
+
+
+def _dynamic_compile_rank(rank, world_size):
+    """ulysses_attention and the USP attention compiled with fullgraph=True and dynamic=True against eager, for two
+    sequence lengths; per case, the largest difference (outputs and input gradients) and the frames compiled."""
+    U, R, Hq, Hkv = USP_COMPILE_CASES[world_size]
+    ulysses_group, ring_group = usp_groups(U, R)
+    usp = partial(ulysses.ulysses_attention, group=ulysses_group,
+                  attn_fn=partial(ring.ring_attention, group=ring_group, layout="zigzag"))
+    cases = [(partial(ulysses.ulysses_attention, group=dist.group.WORLD), *COMPILE_CASES[world_size][0], None),
+             (usp, Hq, Hkv, ring_group)]
+    results = []
+    for attention, Hq, Hkv, ring_group in cases:
+        torch._dynamo.reset()
+        counter = CompileCounterWithBackend("aot_eager")
+        compiled = torch.compile(attention, backend=counter, fullgraph=True, dynamic=True)
+        worst = 0.0
+        for S in (48, 96):  # no token count equal to another size (B, heads, D), which would tie them together
+            index = ulysses.shard_for_sp(*[torch.arange(S)[None]] * 3, ulysses_group if ring_group else
+                                         dist.group.WORLD, ring_group)[0][0]  # my tokens
+            q, k, v, grad_out = (t[:, index] for t in qkv(2, S, Hq, Hkv, 8))
+            pair = []
+            for function in (attention, compiled):
+                inputs = [t.clone().requires_grad_() for t in (q, k, v)]
+                out = function(*inputs)
+                pair.append([out, *torch.autograd.grad(out, inputs, grad_out)])
+            worst = max([worst] + [(a - b).abs().max().item() for a, b in zip(*pair)])
+        results.append((worst, counter.frame_count))
+    return results
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_compiled_attention_dynamic(world_size):
+    """torch.compile(..., fullgraph=True, dynamic=True) of ulysses_attention (GQA, uneven heads) and of the USP
+    attention (ring attention over the ring group as its kernel, U x R = 1 x 2, 1 x 3, 2 x 2) equals eager within
+    1e-6, forward and backward, and compiles once for two sequence lengths: every size is symbolic but the head
+    counts, and the ring's passes are one operator."""
+    for rank_results in run_ranks(world_size, _dynamic_compile_rank):
+        assert rank_results == [(pytest.approx(0, abs=1e-6), 1)] * 2
 
 
 USER_SCRIPT = """

@@ -34,6 +34,7 @@ a script exit cleanly. It depends on torch alone (2.5 or later): copy it into yo
 attention` measures it.
 """
 
+import operator
 import sys
 import time
 import warnings
@@ -128,7 +129,9 @@ def ulysses_attention(q, k, v, group=None, attn_fn=None, check=True, **attn_kwar
         return attn_fn(q, k, v, **attn_kwargs)
     if check and not torch.compiler.is_compiling():
         check_inputs(q, k, v, group)
-    n_head, n_kv_head = q.shape[2], k.shape[2]
+    # operator.index: plain ints even when torch.compile makes sizes symbolic (dynamic=True), so that the head
+    # layout is fixed in the graph (one graph per head count) and only the sequence length stays symbolic
+    n_head, n_kv_head = operator.index(q.shape[2]), operator.index(k.shape[2])
     query_heads, kv_heads = head_layout(n_head, n_kv_head, P)
     q, k, v = seq_to_heads((q, k, v), group, (query_heads, kv_heads, kv_heads))  # (B, S, hq, D), (B, S, hkv, D) x2
     uses = kernel_kv_heads(n_head, n_kv_head, P, rank)
