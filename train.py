@@ -244,7 +244,7 @@ def summarize(args, history, model, optimizer, n_params, world_size, device, ran
     if rank != 0:
         return
     peak, params, grads, optim = peaks.tolist()
-    sent, mib, seconds = ulysses.all_to_all_stats, lambda b: f"{b / 2**20:,.2f} MiB", sum(r["seconds"] for r in history)
+    mib, seconds = lambda b: f"{b / 2**20:,.2f} MiB", sum(r["seconds"] for r in history)
     tokens, element_bytes = memory.local_tokens(args), getattr(torch, args.dtype).itemsize
     count = lambda per_layer: args.grad_accum * sum((2 if args.recompute else 1) * there + back
                                                     for there, back in per_layer)  # forward twice with --recompute
@@ -258,16 +258,12 @@ def summarize(args, history, model, optimizer, n_params, world_size, device, ran
     how = "torch.cuda.max_memory_allocated" if device.type == "cuda" else "storages counted, last step"
     print(f"peak tensor memory per rank (max over ranks, {how}): {mib(peak)} (predicted "
           f"{mib(memory.predicted(args, world_size)['peak'])})")
-    calls = lambda stats, phase: stats[phase]["calls"] / (len(history) * args.grad_accum * args.n_layer)
-    measured = lambda stats: (stats["forward"]["bytes"] + stats["backward"]["bytes"]) / len(history)
-    print(f"all-to-all of rank 0 per step: {measured(sent):,.0f} bytes sent (formula {formula:,} bytes); calls per "
-          f"layer per micro-step: {calls(sent, 'forward'):g} forward, {calls(sent, 'backward'):g} backward")
+    a2a = [b for b in model.blocks if b.kind == "a" or args.gdn_parallel == "ulysses"]  # layers with all-to-alls
+    report_bytes("all-to-all", "calls", ulysses.all_to_all_stats, formula, len(a2a), len(history), args.grad_accum)
     if args.ring > 1:
-        sent = ring.ring_stats
-        formula = count(block.attn.ring_bytes(tokens, element_bytes, args.ring) for block in model.blocks
-                        if block.kind == "a")
-        print(f"ring of rank 0 per step: {measured(sent):,.0f} bytes sent (formula {formula:,} bytes); sends per "
-              f"layer per micro-step: {calls(sent, 'forward'):g} forward, {calls(sent, 'backward'):g} backward")
+        softmax = [block for block in model.blocks if block.kind == "a"]
+        formula = count(block.attn.ring_bytes(tokens, element_bytes, args.ring) for block in softmax)
+        report_bytes("ring", "sends", ring.ring_stats, formula, len(softmax), len(history), args.grad_accum)
     if "d" in args.layer_pattern and args.gdn_parallel == "context":  # Gated DeltaNet's gathers, any seq-len
         formula = count(block.attn.context_bytes(args.batch_size, tokens // args.batch_size, element_bytes)
                         for block in model.blocks if block.kind == "d")
@@ -279,6 +275,15 @@ def summarize(args, history, model, optimizer, n_params, world_size, device, ran
         print(f"query heads per Ulysses rank {heads}: the busiest rank does "
               f"{max(heads) * len(heads) / sum(heads):.2f}x "
               f"the mean attention work")
+
+
+def report_bytes(what, calls, stats, formula, layers, steps, micro_steps):
+    """One line of the summary: the bytes rank 0 sent per step beside the formula's, and its calls per layer that
+    makes them, per micro-step."""
+    sent = (stats["forward"]["bytes"] + stats["backward"]["bytes"]) / steps
+    per_layer = {phase: stats[phase]["calls"] / (steps * micro_steps * max(layers, 1)) for phase in stats}
+    print(f"{what} of rank 0 per step: {sent:,.0f} bytes sent (formula {formula:,} bytes); {calls} per layer per "
+          f"micro-step: {per_layer['forward']:g} forward, {per_layer['backward']:g} backward")
 
 
 if __name__ == "__main__":
