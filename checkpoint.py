@@ -460,7 +460,10 @@ def make_folder(flag, folder):
 def lock_out_dir(out_dir):
     """An exclusive lock on out_dir for this run (flock: the system lifts it when the process ends, however it
     ends); refused if another live run holds it. Removes what an ended run left half-written or half-deleted."""
-    lock = open(os.path.join(out_dir, ".lock"), "a+")
+    try:
+        lock = open(os.path.join(out_dir, ".lock"), "a+")
+    except OSError as e:
+        fail(f"--out-dir {out_dir}: cannot open its lock file ({e.strerror})")
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as e:
