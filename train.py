@@ -22,8 +22,8 @@ really crosses the sequence shards.
 One optimizer step, on every rank of the dp x sp mesh. The code cites these step numbers; "rule N" is ulysses.py's.
   1. each DP rank draws its own micro-batches of full sequences; the sp ranks of an SP group draw the same ones
      (load_micro_batch);
-  2. (rule 1) the labels are shifted by one before any sharding: a shard's last label is the next shard's first
-     token (data.make_sample);
+  2. (rule 1) the labels are shifted by one before any sharding, labels = input_ids[1:] + [-100]: a shard's last
+     label is the next shard's first token (data.make_sample);
   3. (rule 2) sequences are padded at the end to S_pad, a multiple of sp (label -100), and SP rank r keeps tokens
      [r*S_pad/sp, (r+1)*S_pad/sp) with their GLOBAL position ids (ulysses.shard_for_sp; with --ring, the zigzag
      order);
@@ -191,8 +191,8 @@ def train_step(step, micro_batches, model, zero, optimizer, args):
             micro_loss_sum, micro_correct = model(inputs, position_ids, labels, packed=args.pack)
         (micro_loss_sum / valid).backward()  # step 5, and the backward of step 6
         loss_sum, correct = loss_sum + micro_loss_sum.detach(), correct + micro_correct
-    # step 6: gradients are summed over all dp x sp ranks. ZeRO-3 and FSDP2 reduce-scatter them with SUM during
-    # backward; without them, one all-reduce here.
+    # step 6: gradients are summed over all dp x sp ranks. ZeRO-3 (zero3.ShardedUnit.reduce_grad, the default on
+    # more than one rank) and FSDP2 reduce-scatter them with SUM during backward; with --zero 0, one all-reduce here.
     params = [p for group in optimizer.param_groups for p in group["params"]]
     if args.zero == "0":
         flat_grads = torch.cat([p.grad.flatten() for p in params])
@@ -204,7 +204,7 @@ def train_step(step, micro_batches, model, zero, optimizer, args):
     grad_norm = zero.clip_grad_norm_(max_norm) if zero else torch.nn.utils.clip_grad_norm_(params, max_norm)
     grad_norm = (grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm).item()  # FSDP2: DTensor
     totals = torch.stack([loss_sum, correct.float()])
-    dist.all_reduce(totals)
+    dist.all_reduce(totals, op=dist.ReduceOp.SUM, group=dist.group.WORLD)
     loss, accuracy = (totals / valid).tolist()
     if not (math.isfinite(loss) and math.isfinite(grad_norm)):  # every rank sees the same, so all stop
         launch.fail(f"step {step + 1}: loss {loss}, gradient norm {grad_norm}; stopped before the update, so the "

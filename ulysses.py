@@ -290,7 +290,8 @@ def _exchange_op(tensors: list[torch.Tensor], head_bounds: list[int], to_heads: 
     from_rank = {i: received[k * n:(k + 1) * n] for k, i in enumerate(others)}  # rank i's n pieces, in order
     from_rank[rank] = pieces[rank]
     for k, (out, ranges) in enumerate(zip(joined, receive)):
-        overlapping = any(a.stop > b.start for a, b in zip(ranges, ranges[1:]))  # kv heads gone to several ranks
+        # only on the way back to tokens, for k and v whose kv heads had gone to several ranks: their gradients add
+        overlapping = any(a.stop > b.start for a, b in zip(ranges, ranges[1:]))
         if overlapping:
             out.zero_()
         for i in range(P):
