@@ -211,7 +211,8 @@ def test_ranks_that_pass_different_inputs_are_refused():
 
 @pytest.mark.parametrize("labels_len, positions_shape, wrong", [(15, (2, 16), r"labels \(2, 15\)"),
                                                                   (16, (16,), r"position_ids \(16,\)"),
-                                                                  (16, (2, 17), r"position_ids \(2, 17\)")])
+                                                                  (16, (2, 17), r"position_ids \(2, 17\)")],
+                         ids=["labels-short", "positions-1d", "positions-long"])
 def test_shard_for_sp_names_the_argument_of_the_wrong_shape(labels_len, positions_shape, wrong):
     ids = torch.zeros(2, 16, dtype=torch.long)
     with pytest.raises(ValueError, match=rf"^shard_for_sp: input_ids \(2, 16\), {wrong}: want \[B, S\] each"):
