@@ -34,7 +34,6 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
-from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed.device_mesh import init_device_mesh
 from tqdm import tqdm
 
@@ -44,7 +43,6 @@ import memory
 import ring
 import ulysses
 import deltanet as gdn
-from deltanet import chunk_gated_delta_rule, gated_delta_rule
 from tiled import tiled_lm_loss, tiled_mlp
 from zero3 import all_gather, reduce_scatter
 
@@ -96,19 +94,12 @@ def measuring(what, every=5.0):
         line.close()  # after the last redraw
 
 
-def _tracked(tracker, kind):
-    """Bytes of every tensor MemTracker follows, "current" or at their "peak"."""
-    return sum(device["Total"] for device in tracker.get_tracker_snapshot(kind).values())
-
-
 def peak_bytes(run, *existing):
-    """Peak tensor memory (bytes) while run() runs: MemTracker follows every tensor made inside, and `existing`
-    names the tensors and modules made before that count too."""
-    tracker = MemTracker()
-    tracker.track_external(*existing)
-    with tracker:
+    """Peak tensor memory (bytes) while run() runs: every storage made inside, the temporaries of the all-to-all
+    and ring operators included, and those of the `existing` tensors made before (memory.StorageBytes)."""
+    with memory.StorageBytes(existing, inside_operators=True) as storages:
         run()
-    return _tracked(tracker, "peak")
+    return storages.peak
 
 
 def median_seconds(run, repetitions):
@@ -194,17 +185,10 @@ def _variants(group):
     def kernel_with_barriers(q, k, v, heads):
         return _Barrier.apply(group, kernel_alone(q, k, v, _Barrier.apply(group, *heads)))[0]
 
-    def fused(q, k, v, heads):
-        return ulysses.ulysses_attention(q, k, v, group)
-
-    def three(q, k, v, heads):
-        return three_all_to_alls(q, k, v, group)
-
-    def gathered(q, k, v, heads):
-        return gathered_kv(q, k, v, group)
-
     return {"(a) kernel alone": kernel_alone, "(a) with 4 barriers": kernel_with_barriers,
-            "(b) ulysses_attention": fused, "(c) 3 all-to-alls": three, "(d) all-gather k, v": gathered}
+            "(b) ulysses_attention": lambda q, k, v, heads: ulysses.ulysses_attention(q, k, v, group),
+            "(c) 3 all-to-alls": lambda q, k, v, heads: three_all_to_alls(q, k, v, group),
+            "(d) all-gather k, v": lambda q, k, v, heads: gathered_kv(q, k, v, group)}
 
 
 def _forward_backward(variant, inputs):
@@ -313,7 +297,7 @@ def attention(args):
                   f"{sent[name]:>16,} {_attention_bytes(name, P, args.seq_len, args):>13,}", flush=True)
         q_mib = B * args.seq_len // P * H * D * 4 / 2**20
         for name, peak in peaks.items():
-            print(f"peak memory of the layer, P={P} S={args.seq_len}, rank 0 (MemTracker): {name} "
+            print(f"peak memory of the layer, P={P} S={args.seq_len}, rank 0 (storages counted): {name} "
                   f"{peak / 2**20:.1f} MiB (q on this rank: {q_mib:.1f} MiB)", flush=True)
     print(f"weak scaling, S = {args.weak_seq_len} x P: bytes each rank sends (formula) and time")
     print(f"{'P':>2} {'S':>6}  {'(b) bytes (formula)':>24} {'(d) bytes (formula)':>24} {'(a) ms':>8} {'(b) ms':>8} "
@@ -331,22 +315,20 @@ def attention(args):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# python bench.py tiled: what tiling saves in one layer (MemTracker follows every tensor)
+# python bench.py tiled: what tiling saves in one layer (every storage counted)
 
 
 def _kept_and_peak(run, *inputs):
     """MiB above the inputs: (kept from forward for backward, peak over forward + backward)."""
-    tracker = MemTracker()
-    tracker.track_external(*inputs)
-    with tracker:
-        base = _tracked(tracker, "current")  # the inputs
+    with memory.StorageBytes(inputs) as storages:
+        base = storages.now  # the inputs
         out = run()
-        kept = _tracked(tracker, "current") - base - out.nbytes  # saved for backward
+        kept = storages.now - base - out.nbytes  # saved for backward
         out.sum().backward()
         del out
     for t in inputs:
         t.grad = None
-    return kept / 2**20, (_tracked(tracker, "peak") - base) / 2**20
+    return kept / 2**20, (storages.peak - base) / 2**20
 
 
 def tiled(args):
@@ -400,7 +382,7 @@ def deltanet(args):
     for name, run in (("forward", forward), ("forward + backward", forward_backward)):
         with measuring(f"{name}: {args.reps} repetitions of each kernel"):
             recurrence, chunked = (median_seconds(partial(run, kernel), args.reps)
-                                   for kernel in (gated_delta_rule, chunk_gated_delta_rule))
+                                   for kernel in (gdn.gated_delta_rule, gdn.chunk_gated_delta_rule))
         print(f"{name:18} recurrence {recurrence * 1e3:8.1f} ms   chunked {chunked * 1e3:7.1f} ms   "
               f"{recurrence / chunked:5.1f}x faster", flush=True)
     deltanet_ways(args)
@@ -428,9 +410,7 @@ def _deltanet_ways_rank(rank, P, args):
             sent = sum(c["bytes"] for c in ulysses.all_to_all_stats.values()) + sum(gdn.context_stats.values())
             dist.barrier()
             seconds = median_seconds(step, args.reps)
-            with memory.StorageBytes([x, *layer.parameters()]) as storages:  # MemTracker cannot follow the
-                step()  # autograd.grad inside the context way's backward
-            results[way, S] = seconds, sent, storages.peak
+            results[way, S] = seconds, sent, peak_bytes(step, x, *layer.parameters())
     return results
 
 
@@ -569,7 +549,7 @@ def _usp_rank(rank, P, args):
 def ring_(args):
     B, S, H, D = args.batch_size, args.seq_len, args.heads, args.head_dim
     print(f"one attention layer, forward + backward: B={B} S={S} heads={H} head_dim={D} float32, causal; the median "
-          f"of {args.reps}, every row of a P interleaved; rank 0's bytes, calls and peak tensor memory (MemTracker); "
+          f"of {args.reps}, every row of a P interleaved; rank 0's bytes, calls and peak tensor memory; "
           f"kernel: ring.py's fused block kernel, or its einsum tiles (fused=False), or SDPA alone", flush=True)
     print(f"{'P':>2} {'layout':20} {'kernel':>6} {'ms':>8} {'/ fused':>7} {'all-to-all bytes':>17} {'calls':>5} "
           f"{'ring bytes':>11} {'sends':>5} {'peak MiB':>9}", flush=True)
@@ -596,9 +576,10 @@ def ring_(args):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=_HelpFormatter, allow_abbrev=False)
-    commands = parser.add_subparsers(dest="command", required=True)
-    p = commands.add_parser("attention", help="one Ulysses attention layer against its alternatives",
-                            formatter_class=_HelpFormatter, allow_abbrev=False)
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    command = lambda name, help: subparsers.add_parser(name, help=help, formatter_class=_HelpFormatter,
+                                                       allow_abbrev=False)
+    p = command("attention", "one Ulysses attention layer against its alternatives")
     p.add_argument("--seq-len", type=int, default=4096, help="tokens per sequence for the main table")
     p.add_argument("--weak-seq-len", type=int, default=1024, help="tokens per rank in the weak-scaling rows")
     p.add_argument("--sp", type=int, nargs="+", default=[2, 4], help="SP sizes of the main table")
@@ -610,36 +591,31 @@ def main(argv=None):
     p.add_argument("--memory", action=argparse.BooleanOptionalAction, default=True, help="measure peak memory")
     p.add_argument("--check-cost", action="store_true", help="instead: ulysses_attention with its input check "
                    "(one all-gather a call) against without it")
-    p = commands.add_parser("tiled", help="memory of the MLP and the loss, tiled and not",
-                            formatter_class=_HelpFormatter, allow_abbrev=False)
+    p = command("tiled", "memory of the MLP and the loss, tiled and not")
     p.add_argument("--seq-len", type=int, default=16384, help="tokens")
     p.add_argument("--hidden", type=int, default=128, help="hidden size h (the MLP's is 4h)")
     p.add_argument("--vocab", type=int, default=2048, help="vocabulary of the loss")
-    p = commands.add_parser("deltanet", help="the gated delta rule, chunked against the recurrence; "
-                            "the layer under SP, Ulysses against context",
-                            formatter_class=_HelpFormatter, allow_abbrev=False)
+    p = command("deltanet", "the gated delta rule, chunked against the recurrence; "
+                            "the layer under SP, Ulysses against context")
     p.add_argument("--seq-len", type=int, default=4096, help="tokens")
     p.add_argument("--heads", type=int, default=4, help="heads")
     p.add_argument("--head-dim", type=int, default=64, help="dimensions per head")
     p.add_argument("--reps", type=int, default=3, help="timed repetitions")
     p.add_argument("--seq-lens", type=int, nargs="+", default=[1024, 4096, 16384], help="the layer under SP: "
                    "sequence lengths, one row each (P = 2 and 4)")
-    p = commands.add_parser("memory", help="train.py's predicted peak memory against the measured one",
-                            formatter_class=_HelpFormatter, allow_abbrev=False)
+    p = command("memory", "train.py's predicted peak memory against the measured one")
     p.add_argument("--seq-lens", type=int, nargs="+", default=[1024, 4096], help="sequence lengths, one row each")
     p.add_argument("--sp", type=int, nargs="+", default=[1, 2, 4], help="SP sizes, one column each")
     p.add_argument("--flags", nargs=argparse.REMAINDER, default=[], help="more train.py flags, last on the line, "
                    "e.g. --flags --layer-pattern ddda")
     p.add_argument("--depths", type=int, nargs="*", default=[2, 50, 200], help="layer counts of a tiny model whose "
                    "measured step is timed against an ordinary one (none: skip)")
-    p = commands.add_parser("compile", help="train.py eager against --compile: compile time and step time",
-                            formatter_class=_HelpFormatter, allow_abbrev=False)
+    p = command("compile", "train.py eager against --compile: compile time and step time")
     p.add_argument("--sp", type=int, nargs="+", default=[2, 4], help="ranks (all sequence-parallel), one row pair each")
     p.add_argument("--steps", type=int, default=30, help="steps of each run")
     p.add_argument("--runs", type=int, default=2, help="runs of each mode")
     p.add_argument("--flags", nargs=argparse.REMAINDER, default=[], help="more train.py flags, last on the line")
-    p = commands.add_parser("ring", help="Ulysses, ring and Ulysses x Ring on the same ranks; work per rank",
-                            formatter_class=_HelpFormatter, allow_abbrev=False)
+    p = command("ring", "Ulysses, ring and Ulysses x Ring on the same ranks; work per rank")
     p.add_argument("--seq-len", type=int, default=4096, help="tokens per sequence")
     p.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4], help="numbers of ranks P, one block of rows each")
     p.add_argument("--heads", type=int, default=8, help="query heads (= key/value heads)")

@@ -27,6 +27,7 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
+from torch._library.custom_ops import _maybe_get_opdef
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakIdKeyDictionary
@@ -244,10 +245,16 @@ class StorageBytes(TorchDispatchMode):
     (a finalizer). The storages of `existing` tensors are counted once at the start. ZeRO-3 frees and refills its
     gathered units by resizing their storage, which no op shows, so UntypedStorage.resize_ is watched while it is
     entered (Tensor.resize_ of a storage already counted, and out= ops that grow one, are not: nothing here uses
-    them). The cost is a few dictionary operations an op, whatever the model's depth."""
+    them). The cost is a few dictionary operations an op, whatever the model's depth.
 
-    def __init__(self, existing):
+    An operator of its own (ulysses' all-to-all, the ring) is one op to a dispatch mode: what it makes inside and
+    frees before it returns (the send and receive buffers, the ring's blocks) is not seen, and the predictor
+    leaves it out too. inside_operators=True runs such an operator's Python code under the count, so that its
+    temporaries count (bench.py measures a layer so)."""
+
+    def __init__(self, existing, inside_operators=False):
         super().__init__()
+        self.inside_operators = inside_operators
         self.sizes = WeakIdKeyDictionary()  # storage -> [its bytes, as counted]
         self.finalizers, self.now, self.peak = [], 0, 0
         for t in existing:
@@ -271,7 +278,12 @@ class StorageBytes(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if DTensor in types:
             return NotImplemented  # DTensor runs first, and its local ops come through here
-        out = func(*args, **(kwargs or {}))
+        custom = _maybe_get_opdef(func) if self.inside_operators else None  # an operator written in Python (the
+        if custom is not None:  # all-to-all, the ring): its own code runs under the count, so its buffers count
+            with self:
+                out = custom._init_fn(*args, **(kwargs or {}))
+        else:
+            out = func(*args, **(kwargs or {}))
         for t in pytree.tree_leaves(out):
             if isinstance(t, torch.Tensor) and t.device.type != "meta":
                 self._see(t)
