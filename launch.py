@@ -211,12 +211,13 @@ def check_args(args, world_size):
         fail(f"--seq-len {args.seq_len} is smaller than --sp {args.sp}: every rank needs at least one token")
     if args.ring < 1 or args.sp % args.ring:
         fail(f"--ring {args.ring} does not divide --sp {args.sp}; choose --ring in {divisors(args.sp)}")
-    if args.ring > 1 and ring_refusal(args):
-        fail(f"--ring {args.ring} cannot be used with {ring_refusal(args)}; use --ring 1")
+    refusal = ring_refusal(args)
+    if args.ring > 1 and refusal:
+        fail(f"--ring {args.ring} cannot be used with {refusal}; use --ring 1")
     if "a" in args.layer_pattern and args.sp // args.ring > args.n_head:  # a Ulysses rank would hold no head
         sps = [p for p in range(1, min(world_size, args.n_head) + 1) if world_size % p == 0]
         rings = [r for r in range(2, args.sp + 1) if args.sp % r == 0 and args.sp // r <= args.n_head]
-        ring_too = "" if ring_refusal(args) else f", or --ring in {{{', '.join(map(str, rings))}}}"
+        ring_too = "" if refusal else f", or --ring in {{{', '.join(map(str, rings))}}}"
         fail(f"--sp {args.sp} with --ring {args.ring} puts {args.sp // args.ring} ranks in each Ulysses group, more "
              f"than --n-head {args.n_head}: a rank would hold no head; choose --sp in {{{', '.join(map(str, sps))}}}"
              f"{ring_too}")
