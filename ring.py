@@ -63,10 +63,14 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.distributed_c10d import _resolve_process_group
 
-try:  # optional, CUDA only: flash-attn's kernels, whose forward returns the log-sum-exp
-    from flash_attn.flash_attn_interface import _flash_attn_backward, _flash_attn_forward
+try:  # optional, CUDA only: flash-attn, whose kernels return the log-sum-exp (2.7 or later: see block_kernel)
+    import flash_attn
+    from flash_attn import flash_attn_interface
+    FLASH_ATTN_VERSION = tuple(int(n) for n in flash_attn.__version__.split(".")[:2])  # e.g. (2, 8)
 except ImportError:
-    _flash_attn_forward = _flash_attn_backward = None
+    flash_attn_interface = FLASH_ATTN_VERSION = None
+
+aten = torch.ops.aten  # PyTorch's kernels, by name (test_kernels.py puts CPU stand-ins of the CUDA ones in their place)
 
 
 def ring_attention(q, k, v, group=None, layout=None, window=None, causal=True, scale=None, return_lse=False,
@@ -81,8 +85,9 @@ def ring_attention(q, k, v, group=None, layout=None, window=None, causal=True, s
     scores, 1/sqrt(D) by default. position_ids [B, L] (packed documents): the global positions of this rank's
     tokens, as shard_for_sp gives them; a document starts where they are 0, and a query sees keys of its own
     document only (one all-gather of them a call). fused=False computes every block with the einsum tiles (the
-    reference) instead of the fused kernel. Ranks whose q, k or v differ in shape or dtype get one ValueError on
-    every rank, naming each rank's value (one all-gather of 6 numbers a call). Differentiable, and traceable by
+    reference) instead of the fused kernel that `block_kernel` picks for the device, dtype and head size. Ranks
+    whose q, k or v differ in shape or dtype get one ValueError on every rank, naming each rank's value (one
+    all-gather of 6 numbers a call). Differentiable, and traceable by
     torch.compile without packed documents; forward and backward each move R-1 key/value blocks per rank,
     backward also R dk/dv blocks (in float32, or float64 for float64 inputs).
     group=None or a group of one rank: attention over this rank's tokens alone.
@@ -103,8 +108,9 @@ def ring_attention(q, k, v, group=None, layout=None, window=None, causal=True, s
         check_same_inputs(q, k, group)
     layout = layout if R > 1 else "contiguous"
     documents = None if position_ids is None else document_ids(position_ids, group, layout)  # (B, S)
+    kernel = block_kernel(q.device.type, q.dtype, q.shape[-1]) if fused else "tiles"
     out, lse = _ring_forward(q, k, v, documents, "" if group is None else group.group_name, layout, window, causal,
-                             q.shape[-1] ** -0.5 if scale is None else scale, fused)
+                             q.shape[-1] ** -0.5 if scale is None else scale, kernel)
     return (out, lse.transpose(1, 2)) if return_lse else out  # lse (B, Hq, L) -> (B, L, Hq)
 
 
@@ -118,16 +124,16 @@ def ring_attention(q, k, v, group=None, layout=None, window=None, causal=True, s
 @torch.library.custom_op("ring::attention", mutates_args=())
 def _ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: torch.Tensor | None, group_name: str,
                   layout: str, window: int | None, causal: bool, scale: float,
-                  fused: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                  kernel: str) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward passes key/value blocks around and merges: (out [B, L, Hq, D], lse [B, Hq, L])."""
     group = _group(group_name)
     R, r = size_and_rank(group)
     B, L, Hq, D = q.shape
     mask = Mask(layout, window, causal, scale)
     mine = token_index(layout, r, R, L)
-    with torch.autocast(q.device.type, enabled=False):  # the whole ring in float32 (or float64), whatever autocast
-        q_heads = _wide(q).transpose(1, 2)  # (B, L, Hq, D) -> (B, Hq, L, D), a view
-        wide = torch.promote_types(q_heads.dtype, torch.float32)
+    with torch.autocast(q.device.type, enabled=False):  # the merge in float32 (or float64), whatever autocast
+        q_heads = q.transpose(1, 2)  # (B, L, Hq, D) -> (B, Hq, L, D), a view; each kernel widens what it must
+        wide = torch.promote_types(q.dtype, torch.float32)
         out = q_heads.new_empty(B, Hq, L, D, dtype=wide)  # filled at step 0: every query sees itself
         lse = q_heads.new_empty(B, Hq, L, dtype=wide)
         kv = torch.stack([k, v])  # (2, B, L, Hkv, D): one message a step, in the input dtype
@@ -135,7 +141,7 @@ def _ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: 
             if step < R - 1:
                 incoming = pass_on(kv, group, "forward")  # sent while this block is computed on
             for batch, rows, _, lo, hi, block_k, block_v in _blocks(mine, mask, (r - step) % R, R, kv, documents):
-                block_out, block_lse = block_attention(q_heads[batch, :, rows], block_k, block_v, lo, hi, scale, fused)
+                block_out, block_lse = block_attention(q_heads[batch, :, rows], block_k, block_v, lo, hi, scale, kernel)
                 if step == 0:  # my own block: every query sees itself, so every row is filled here
                     out[batch, :, rows], lse[batch, :, rows] = block_out, block_lse
                 else:
@@ -149,7 +155,7 @@ def _ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: 
 def _ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                    lse: torch.Tensor, documents: torch.Tensor | None, group_name: str, layout: str,
                    window: int | None, causal: bool, scale: float,
-                   fused: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   kernel: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Backward is a second ring that carries each block's dk and dv home: (dq, dk, dv) shaped as q, k, v."""
     group = _group(group_name)
     R, r = size_and_rank(group)
@@ -158,7 +164,7 @@ def _ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     mask = Mask(layout, window, causal, scale)
     mine = token_index(layout, r, R, L)
     with torch.autocast(q.device.type, enabled=False):
-        q, out, dout = (_wide(t).transpose(1, 2) for t in (q, out, dout))  # (B, L, Hq, D) -> (B, Hq, L, D)
+        q, out, dout = (t.transpose(1, 2) for t in (q, out, dout))  # (B, L, Hq, D) -> (B, Hq, L, D), views
         wide = torch.promote_types(dtype, torch.float32)  # the accumulators: float32, or float64
         dq = torch.zeros(q.shape, dtype=wide, device=q.device)  # (B, Hq, L, D)
         kv = torch.stack([k, v])  # (2, B, L, Hkv, D)
@@ -169,7 +175,7 @@ def _ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
             for batch, rows, cols, lo, hi, block_k, block_v in _blocks(mine, mask, (r - step) % R, R, kv, documents):
                 block_dq, block_dk, block_dv = block_gradients(
                     q[batch, :, rows], block_k, block_v, out[batch, :, rows], lse[batch, :, rows],
-                    dout[batch, :, rows], lo, hi, scale, fused)
+                    dout[batch, :, rows], lo, hi, scale, kernel)
                 dq[batch, :, rows] += block_dq
                 dkv[0, batch, :, cols] += block_dk
                 dkv[1, batch, :, cols] += block_dv
@@ -209,7 +215,7 @@ def arrived(received, works):
 def _blocks(mine, mask, rank, R, kv, documents):
     """What my queries need of the key/value block of ring rank `rank`, held in kv [2, B, L, Hkv, D]: a list of
     (batch: a slice of the batch's rows; rows, cols: the cut, as slices; the rows' (lo, hi) within cols; the keys
-    and values of cols, head-major and in float32 (or float64)), empty if my queries see none of it. Every row of
+    and values of cols, head-major views in the input dtype), empty if my queries see none of it. Every row of
     the batch sees the same keys, unless documents are packed: then each row has its own cut."""
     theirs = token_index(mask.layout, rank, R, kv.shape[2])
     if documents is None:
@@ -222,7 +228,7 @@ def _blocks(mine, mask, rank, R, kv, documents):
         if (part := cut(lo, hi)) is None:
             continue
         rows, cols = part
-        block_k, block_v = _wide(kv[:, batch, cols]).transpose(2, 3)  # (B, Hkv, cols, D) each, views
+        block_k, block_v = kv[:, batch, cols].transpose(2, 3)  # (B, Hkv, cols, D) each, views
         blocks.append((batch, rows, cols, lo[rows] - cols.start, hi[rows] - cols.start, block_k, block_v))
     return blocks
 
@@ -232,50 +238,62 @@ def _blocks(mine, mask, rank, R, kv, documents):
 #
 # q [B, Hq, Lq, D], k and v [B, Hkv, Lk, D], head-major; query head i uses kv head i // (Hq / Hkv) (grouped-query
 # attention), and a kv head is never copied. Which keys query i sees comes as one run, keys lo[i] .. hi[i] - 1
-# (key_ranges). Two kernels compute the same numbers:
+# (key_ranges). Two kinds of kernel compute the same numbers:
 #
-#   fused    the block in one call of a flash-attention kernel that returns the log-sum-exp (`_fused_kernels`):
-#            PyTorch's on CPU, flash-attn's or PyTorch's on CUDA. It covers the two masks a ring without a window
-#            or documents meets: every key (a block from another rank, or its cut) and causal on the diagonal (my
-#            own block, Lq = Lk). With packed documents it takes the blocks that are one of these two (a block inside
-#            one document). It never holds scores against a whole block.
+#   fused    the block in one call of a flash-attention kernel that returns the log-sum-exp (`block_kernel` picks
+#            which: PyTorch's on CPU; flash-attn's, PyTorch's flash or its memory-efficient kernel on CUDA). It
+#            covers the two masks a ring without a window or documents meets: every key (a block from another rank,
+#            or its cut) and causal on the diagonal (my own block, Lq = Lk). With packed documents it takes the blocks
+#            that are one of these two (a block inside one document). It never holds scores against a whole block.
 #   tiles    the readable reference, in einsums, for any (lo, hi): QUERY_TILE queries at a time, so the scores in
 #            memory are [B, Hq, QUERY_TILE, Lk] at most. It takes the blocks the fused kernel does not cover: a
-#            sliding window's, a block that a document starts or ends in, and any block when fused=False.
+#            sliding window's, a block that a document starts or ends in, and any block when fused=False or when no
+#            fused kernel takes the inputs (float64 on CUDA, say). It computes in float32 (float64 for float64
+#            inputs) on every device: scores, log-sum-exp and the softmax's correction are statistics.
 
 QUERY_TILE = 512
 
 
-def block_attention(q, k, v, lo, hi, scale, fused=True):
-    """(output normalized over this block's keys [B, Hq, Lq, D], its log-sum-exp [B, Hq, Lq]), query i seeing keys
-    lo[i] .. hi[i] - 1. A query that sees no key of the block gets output 0 and lse -inf, which `merge` ignores."""
-    if fused and (mask := _fused_mask(lo, hi, k.shape[2])) is not None:
-        return _fused_kernels(q)[0](q, k, v, mask == "causal", scale)
+def block_attention(q, k, v, lo, hi, scale, kernel):
+    """(output normalized over this block's keys [B, Hq, Lq, D], its log-sum-exp [B, Hq, Lq]), both in float32 (float64
+    for float64 inputs), query i seeing keys lo[i] .. hi[i] - 1. A query that sees no key of the block gets output 0
+    and lse -inf, which `merge` ignores. kernel: a fused kernel's name (`block_kernel`), or "tiles"."""
+    if kernel != "tiles" and (mask := _fused_mask(lo, hi, k.shape[2])) is not None:
+        return FUSED[kernel][0](q, k, v, mask == "causal", scale)
+    q, k, v = (at_least_float32(t) for t in (q, k, v))
     G = q.shape[1] // k.shape[1]  # query heads per kv head
     q = q.unflatten(1, (k.shape[1], G))  # (B, Hq, Lq, D) -> (B, Hkv, G, Lq, D)
     out = q.new_zeros(*q.shape[:-1], v.shape[-1])  # (B, Hkv, G, Lq, D)
     lse = q.new_full(q.shape[:-1], float("-inf"))  # (B, Hkv, G, Lq)
     for queries, keys, mask in _tiles(lo, hi, q.device):
         scores = _scores(q[..., queries, :], k[:, :, keys], mask, scale)  # (B, Hkv, G, T, keys)
-        tile_lse = scores.logsumexp(-1)  # (B, Hkv, G, T): log of the softmax's normalizer over these keys
-        p = scores.sub_(tile_lse.masked_fill(tile_lse == float("-inf"), 0)[..., None]).exp_()  # softmax, in place
-        out[..., queries, :] = torch.einsum("bhgqk,bhkd->bhgqd", p, v[:, :, keys])
-        lse[..., queries] = tile_lse
+        top = scores.amax(-1, keepdim=True).nan_to_num_(neginf=0.0)  # (B, Hkv, G, T, 1); 0 for a row that sees none
+        p = scores.sub_(top).exp_()  # unnormalized, in place: the largest of a row is 1
+        total = p.sum(-1)  # (B, Hkv, G, T)
+        # divided by the sum, as one softmax is: exp(scores - lse) would carry lse's rounding into every output
+        out[..., queries, :] = torch.einsum("bhgqk,bhkd->bhgqd", p, v[:, :, keys]) / total.clamp(min=1e-30)[..., None]
+        lse[..., queries] = top.squeeze(-1) + total.log()  # log of the softmax's normalizer; -inf for no key
     return out.flatten(1, 2), lse.flatten(1, 2)  # (B, Hq, Lq, D), (B, Hq, Lq)
 
 
 def merge(out, lse, block_out, block_lse):
-    """Fold one block's result into the running one, in place: the exact softmax over the keys of both."""
+    """Fold one block's result into the running one, in place: the exact softmax over the keys of both. The new lse
+    is the larger of the two plus a correction, log(e^a + e^b) = max(a, b) + log(1 + e^-|a - b|): the larger one
+    passes through exactly, and the rounding of a - b (large scores: lse in the hundreds, where float32 keeps four
+    decimals) only reaches the small correction. lse_a + (lse_b - lse_a) + ... would round there and shift every
+    probability of the softmax's backward."""
     out.sub_(torch.sigmoid(block_lse - lse)[..., None] * (out - block_out))  # o_a + w (o_b - o_a), w = e^lse_b / e^lse
-    lse.sub_(F.logsigmoid(lse - block_lse))  # log(e^lse_a + e^lse_b) = lse_a - log sigmoid(lse_a - lse_b)
+    lse.copy_(torch.maximum(lse, block_lse) - F.logsigmoid((lse - block_lse).abs()))  # -log sigmoid(x) = log(1+e^-x)
 
 
-def block_gradients(q, k, v, out, lse, dout, lo, hi, scale, fused=True):
+def block_gradients(q, k, v, out, lse, dout, lo, hi, scale, kernel):
     """dq, dk, dv of one block, given the FINAL output and lse of my queries, so that p below is their true
     attention to this block's keys, and delta = rowsum(dout * out) the softmax's true correction: the softmax's
-    backward, block by block. Shapes as block_attention's; dk and dv [B, Hkv, Lk, D]."""
-    if fused and (mask := _fused_mask(lo, hi, k.shape[2])) is not None:
-        return _fused_kernels(q)[1](dout, q, k, v, out, lse, mask == "causal", scale)
+    backward, block by block. Shapes as block_attention's; dk and dv [B, Hkv, Lk, D]; the tiles' in float32 (or
+    float64), a fused kernel's as it returns them."""
+    if kernel != "tiles" and (mask := _fused_mask(lo, hi, k.shape[2])) is not None:
+        return FUSED[kernel][1](dout, q, k, v, out, lse, mask == "causal", scale)
+    q, k, v, out, dout = (at_least_float32(t) for t in (q, k, v, out, dout))
     Hkv, G = k.shape[1], q.shape[1] // k.shape[1]
     q, out, dout = (t.unflatten(1, (Hkv, G)) for t in (q, out, dout))  # (B, Hq, Lq, D) -> (B, Hkv, G, Lq, D)
     lse = lse.unflatten(1, (Hkv, G))  # (B, Hkv, G, Lq)
@@ -327,6 +345,128 @@ def _scores(q, k, mask, scale):
     key: [B, Hkv, G, Lq, Lk]."""
     scores = torch.einsum("bhgqd,bhkd->bhgqk", q, k).mul_(scale)  # (B, Hkv, G, Lq, Lk)
     return scores if mask is None else scores.masked_fill_(~mask, float("-inf"))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the fused kernels: which one computes a block, and what each one needs
+#
+# Each kernel below is called from one small function whose docstring states its contract: the layouts it reads, the
+# dtypes and head sizes it takes, what it returns. The choice among them is one function of what decides it
+# (`block_kernel`), so that a test on a machine without a GPU can ask which kernel a GPU would run, and run it
+# through a stand-in that enforces the same contract (test_kernels.py). All take and return head-major tensors,
+# q [B, Hq, Lq, D], k and v [B, Hkv, Lk, D] with Hq a multiple of Hkv (views: any strides, the last dim contiguous),
+# and give back (out [B, Hq, Lq, D], lse [B, Hq, Lq]) in float32 (float64 for float64 inputs) and, backward,
+# (dq, dk, dv) shaped as q, k, v.
+
+
+def block_kernel(device_type, dtype, head_dim, flash_attn_version=FLASH_ATTN_VERSION):
+    """The fused kernel for a ring's blocks, by name, or "tiles" where none takes these inputs:
+
+        cpu_flash    CPU: every dtype, every head size (16-bit inputs widened to float32)
+        flash_attn   CUDA, fp16 or bf16, head size a multiple of 8 up to 256, flash-attn 2.7 or later installed
+        sdpa_flash   the same without flash-attn: PyTorch's own CUDA flash kernel (what SDPA runs)
+        efficient    CUDA, float32 with a head size a multiple of 4, or 16-bit past 256: PyTorch's memory-efficient
+                     kernel
+        tiles        anything else (float64 on CUDA, 16-bit head sizes that are not a multiple of 8), in float32
+    """
+    sixteen_bit = dtype in (torch.float16, torch.bfloat16)
+    if device_type == "cpu":
+        return "cpu_flash"
+    if device_type != "cuda":
+        return "tiles"
+    if sixteen_bit and head_dim % 8 == 0 and head_dim <= 256:
+        return "flash_attn" if flash_attn_version is not None and flash_attn_version >= (2, 7) else "sdpa_flash"
+    if (sixteen_bit and head_dim % 8 == 0) or (dtype == torch.float32 and head_dim % 4 == 0):
+        return "efficient"
+    return "tiles"
+
+
+def at_least_float32(t):
+    """16-bit floats as float32; float32 and float64 as they are."""
+    return t.to(torch.promote_types(t.dtype, torch.float32))
+
+
+def _cpu_flash_forward(q, k, v, causal, scale):
+    """PyTorch's flash kernel for CPU: any head size, grouped-query attention as it is, float64, float32 and 16-bit;
+    16-bit inputs go in as float32, where it is as fast and the ring exact. It returns the lse as [B, Hq, Lq] (a view
+    of [B, Lq, Hq] memory)."""
+    q, k, v = (at_least_float32(t) for t in (q, k, v))
+    return aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+
+
+def _cpu_flash_backward(dout, q, k, v, out, lse, causal, scale):
+    dout, q, k, v, out = (at_least_float32(t) for t in (dout, q, k, v, out))
+    return aten._scaled_dot_product_flash_attention_for_cpu_backward(dout, q, k, v, out, lse, 0.0, causal,
+                                                                               scale=scale)
+
+
+def _flash_attn_forward(q, k, v, causal, scale):
+    """flash-attn 2.7 or later, through its private calls (the public ones keep the lse from a backward of ours;
+    their arguments changed in 2.7). It takes [B, L, heads, D] with the last dim contiguous (it copies otherwise),
+    fp16 or bf16 alike for q, k and v, a head size that is a multiple of 8 up to 256 (its public calls pad, these do
+    not), and Hq a multiple of Hkv. Returns out [B, Lq, Hq, D] in the input dtype and lse [B, Hq, Lq] in float32."""
+    out, lse, _, _ = flash_attn_interface._flash_attn_forward(*(t.transpose(1, 2) for t in (q, k, v)), 0.0, scale,
+                                                              causal, -1, -1, 0.0, None, False)
+    return out.transpose(1, 2).float(), lse  # (B, Lq, Hq, D) -> (B, Hq, Lq, D)
+
+
+def _flash_attn_backward(dout, q, k, v, out, lse, causal, scale):
+    """Its backward takes dout and out in q's dtype, writes dq, dk, dv into tensors we give it, and reads the lse
+    as a CONTIGUOUS [B, Hq, Lq] float32 array, without making it one: a view of the ring's lse (with zigzag, half of
+    a block's rows) must be copied first, or the gradients come out wrong."""
+    dq, dk, dv = (torch.empty_like(t.transpose(1, 2)) for t in (q, k, v))  # (B, L, heads, D)
+    flash_attn_interface._flash_attn_backward(*(t.transpose(1, 2).to(q.dtype) for t in (dout, q, k, v, out)),
+                                              lse.contiguous(), dq, dk, dv, 0.0, scale, causal, -1, -1, 0.0, None,
+                                              False)
+    return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)  # (B, L, heads, D) -> (B, heads, L, D)
+
+
+def _sdpa_flash_forward(q, k, v, causal, scale):
+    """PyTorch's own CUDA flash kernel, the one SDPA runs for 16-bit inputs: [B, heads, L, D] with the last dim
+    contiguous, fp16 or bf16, a head size that is a multiple of 8 up to 256 (SDPA pads, this call does not), and Hq a
+    multiple of Hkv. Returns out in the input dtype and lse [B, Hq, Lq] in float32."""
+    out, lse = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)[:2]
+    return out.float(), lse
+
+
+def _sdpa_flash_backward(dout, q, k, v, out, lse, causal, scale):
+    """Like flash-attn's, it reads the lse as a contiguous [B, Hq, Lq] array without making it one; dout and out in
+    q's dtype. Of the bookkeeping its forward returns it takes the lengths (no cumulative lengths: not varlen) and,
+    with no dropout, no random state."""
+    no_rng = torch.zeros((), dtype=torch.int64, device=q.device)
+    return aten._scaled_dot_product_flash_attention_backward(
+        dout.to(q.dtype), q, k, v, out.to(q.dtype), lse.contiguous(), None, None, q.shape[2], k.shape[2], 0.0, causal,
+        no_rng, no_rng, scale=scale)
+
+
+def _efficient_forward(q, k, v, causal, scale):
+    """PyTorch's memory-efficient CUDA kernel: [B, heads, L, D], float32, fp16 or bf16 (never float64), 16-bit head
+    sizes a multiple of 8 (its loads are aligned), and ONE kv head per query head, so k and v are expanded here. It
+    returns out in the input dtype and lse [B, Hq, Lq rounded up to a multiple of 32] in float32, padded with inf."""
+    G = q.shape[1] // k.shape[1]
+    k, v = (t.repeat_interleave(G, dim=1) for t in (k, v))  # (B, Hkv, Lk, D) -> (B, Hq, Lk, D)
+    out, lse, _, _ = aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal,
+                                                                            scale=scale)
+    return out.float(), lse[..., :q.shape[2]]  # (B, Hq, Lq, D), (B, Hq, Lq)
+
+
+def _efficient_backward(dout, q, k, v, out, lse, causal, scale):
+    """Its backward wants the lse as its forward made it: a head stride that is a multiple of 32 (it refuses a
+    contiguous [B, Hq, Lq] copy). dout and out in q's dtype; with no dropout its random state is unused."""
+    G = q.shape[1] // k.shape[1]
+    k_, v_ = (t.repeat_interleave(G, dim=1) for t in (k, v))  # (B, Hkv, Lk, D) -> (B, Hq, Lk, D)
+    lse = F.pad(lse, (0, -lse.shape[-1] % 32))  # (B, Hq, Lq rounded up to 32)
+    no_seed = torch.zeros((), dtype=torch.int64, device=q.device)
+    dq, dk, dv, _ = aten._scaled_dot_product_efficient_attention_backward(
+        dout.to(q.dtype), q, k_, v_, None, out.to(q.dtype), lse, no_seed, no_seed, 0.0, [True, True, True, False],
+        causal, scale=scale)
+    return dq, *(t.unflatten(1, (k.shape[1], G)).sum(2) for t in (dk, dv))  # (B, Hq, Lk, D) -> (B, Hkv, Lk, D)
+
+
+FUSED = {"cpu_flash": (_cpu_flash_forward, _cpu_flash_backward),  # name: (forward, backward)
+         "flash_attn": (_flash_attn_forward, _flash_attn_backward),
+         "sdpa_flash": (_sdpa_flash_forward, _sdpa_flash_backward),
+         "efficient": (_efficient_forward, _efficient_backward)}
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -450,80 +590,20 @@ def _group(group_name):
     return _resolve_process_group(group_name) if group_name else None
 
 
-def _fused_kernels(q):
-    """(forward, backward) of the fused kernel for q's device: forward(q, k, v, causal, scale) -> (out, lse) and
-    backward(dout, q, k, v, out, lse, causal, scale) -> (dq, dk, dv), head-major [B, heads, L, D], Hq a multiple of Hkv.
-    CUDA: flash-attn's kernels for 16-bit inputs when it is installed, else PyTorch's memory-efficient kernel."""
-    if not q.is_cuda:
-        return _cpu_forward, _cpu_backward
-    if _flash_attn_forward is not None and q.dtype in (torch.float16, torch.bfloat16):
-        return _flash_forward, _flash_backward
-    return _efficient_forward, _efficient_backward
-
-
-def _cpu_forward(q, k, v, causal, scale):
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)  # out, lse
-
-
-def _cpu_backward(dout, q, k, v, out, lse, causal, scale):
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(dout, q, k, v, out, lse, 0.0, causal,
-                                                                               scale=scale)
-
-
-def _flash_forward(q, k, v, causal, scale):
-    """flash-attn (2.6 or later) takes [B, L, heads, D] and returns the lse as [B, heads, L] in float32."""
-    out, lse, _, _ = _flash_attn_forward(*(t.transpose(1, 2) for t in (q, k, v)), 0.0, scale, causal, -1, -1, 0.0,
-                                         None, False)
-    return out.transpose(1, 2).float(), lse  # (B, L, Hq, D) -> (B, Hq, L, D)
-
-
-def _flash_backward(dout, q, k, v, out, lse, causal, scale):
-    dq, dk, dv = (torch.empty_like(t.transpose(1, 2)) for t in (q, k, v))  # (B, L, heads, D)
-    dout, out = dout.to(q.dtype), out.to(q.dtype)  # the kernel takes one dtype
-    _flash_attn_backward(*(t.transpose(1, 2) for t in (dout, q, k, v, out)), lse, dq, dk, dv, 0.0, scale, causal,
-                         -1, -1, 0.0, None, False)
-    return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)  # (B, heads, L, D)
-
-
-def _efficient_forward(q, k, v, causal, scale):
-    """PyTorch's memory-efficient CUDA kernel: one kv head per query head, and an lse padded to a multiple of 32."""
-    G = q.shape[1] // k.shape[1]
-    k, v = (t.repeat_interleave(G, dim=1) for t in (k, v))  # (B, Hkv, Lk, D) -> (B, Hq, Lk, D)
-    out, lse, _, _ = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal,
-                                                                            scale=scale)
-    return out.float(), lse[..., :q.shape[2]].float()  # (B, Hq, Lq, D), (B, Hq, Lq)
-
-
-def _efficient_backward(dout, q, k, v, out, lse, causal, scale):
-    G = q.shape[1] // k.shape[1]
-    k_, v_ = (t.repeat_interleave(G, dim=1) for t in (k, v))  # (B, Hkv, Lk, D) -> (B, Hq, Lk, D)
-    lse = F.pad(lse, (0, -lse.shape[-1] % 32))  # (B, Hq, Lq rounded up to 32), as the kernel made it
-    no_seed = torch.zeros((), dtype=torch.int64, device=q.device)  # no dropout: the random state is unused
-    dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-        dout.to(q.dtype), q, k_, v_, None, out.to(q.dtype), lse, no_seed, no_seed, 0.0, [True, True, True, False],
-        causal, scale=scale)
-    return dq, *(t.unflatten(1, (k.shape[1], G)).sum(2) for t in (dk, dv))  # (B, Hq, Lk, D) -> (B, Hkv, Lk, D)
-
-
-def _wide(x):
-    """x as the block kernels take it. On CPU a 16-bit float (bf16 under autocast) goes to float32, where the
-    kernels are as fast and the ring exact; float32 and float64 stay as they are. On CUDA the fused kernels take
-    16-bit inputs as they are, and return their output and lse in float32."""
-    return x.float() if x.dtype in (torch.float16, torch.bfloat16) and not x.is_cuda else x
-
-
 # what torch.compile sees of the ring: the shapes of its outputs, and which operator is its backward
 
 
 @_ring_forward.register_fake
-def _ring_forward_shapes(q, k, v, documents, group_name, layout, window, causal, scale, fused):
+def _ring_forward_shapes(q, k, v, documents, group_name, layout, window, causal, scale, kernel):
+    """Exactly what the operator returns, strides too (inductor checks them): new contiguous tensors, whatever the
+    memory layout of q (seq_to_heads hands over head-major memory)."""
     B, L, Hq, _ = q.shape
-    return torch.empty_like(q), q.new_empty(B, Hq, L, dtype=torch.promote_types(q.dtype, torch.float32))
+    return q.new_empty(q.shape), q.new_empty(B, Hq, L, dtype=torch.promote_types(q.dtype, torch.float32))
 
 
 @_ring_backward.register_fake
-def _ring_backward_shapes(dout, q, k, v, out, lse, documents, group_name, layout, window, causal, scale, fused):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+def _ring_backward_shapes(dout, q, k, v, out, lse, documents, group_name, layout, window, causal, scale, kernel):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)  # contiguous, as the operator's
 
 
 def _keep_ring(ctx, inputs, output):
