@@ -46,10 +46,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.distributed_c10d import _resolve_process_group  # a group's name -> the group
 
-try:  # optional: flash-attn's kernels take the [B, S, H, D] layout as it is
+try:  # optional, CUDA only: flash-attn's kernels take the [B, S, H, D] layout as it is (2.7 or later)
+    import flash_attn
     from flash_attn import flash_attn_func, flash_attn_varlen_func
+    FLASH_ATTN_VERSION = tuple(int(n) for n in flash_attn.__version__.split(".")[:2])  # e.g. (2, 8)
 except ImportError:
-    flash_attn_func = flash_attn_varlen_func = None
+    flash_attn_func = flash_attn_varlen_func = FLASH_ATTN_VERSION = None
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -323,31 +325,57 @@ def _joined(t, heads, to_heads, P, me):
 
 # ----------------------------------------------------------------------------------------------------------------
 # attention kernels: any function of full-sequence q, k, v [B, S, heads, D] can run between the all-to-alls
+#
+# Two libraries compute them: flash-attn where it runs (`use_flash_attn`), PyTorch's SDPA everywhere else. Each
+# choice is a function of what decides it (device type, dtype, head size, a mask, the library's version), so that a
+# test on a machine without a GPU can ask what a GPU would run, and run it through a stand-in with the kernel's
+# contract (test_kernels.py).
 
 
 def causal_attention(q, k, v):
     """Default kernel. q [B, S, Hq, D], k and v [B, S, Hkv, D] with Hq a multiple of Hkv -> [B, S, Hq, D]."""
-    return flash_attn_func(q, k, v, causal=True) if _use_flash(q) else _sdpa(q, k, v, is_causal=True)
+    if use_flash_attn(q.device.type, q.dtype, q.shape[-1]):
+        return flash_attn_func(q, k, v, causal=True)
+    return _sdpa(q, k, v, is_causal=True)
 
 
-def _use_flash(q):
-    return flash_attn_func is not None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
+def use_flash_attn(device_type, dtype, head_dim, flash_attn_version=FLASH_ATTN_VERSION):
+    """Whether flash-attn runs: installed (2.7 or later), on CUDA, for fp16 or bf16 and head sizes up to 256. Its
+    public calls, used here, pad a head size to a multiple of 8 and hand the output back unpadded, as a view."""
+    return (flash_attn_version is not None and flash_attn_version >= (2, 7) and device_type == "cuda"
+            and dtype in (torch.float16, torch.bfloat16) and head_dim <= 256)
 
 
-def _sdpa(q, k, v, **kwargs):
+def _sdpa(q, k, v, attn_mask=None, is_causal=False):
+    """PyTorch's SDPA on [B, S, heads, D] tensors, grouped-query attention as it is where SDPA runs that in a fused
+    kernel (`sdpa_takes_groups`); elsewhere k and v go in expanded to one head per query head."""
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, S, H, D) -> (B, H, S, D), SDPA's layout
-    out = F.scaled_dot_product_attention(q, k, v, enable_gqa=k.shape[1] != q.shape[1], **kwargs)
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1 and not sdpa_takes_groups(q.device.type, q.dtype, attn_mask is not None):
+        k, v = (t.repeat_interleave(groups, dim=1) for t in (k, v))  # (B, Hkv, S, D) -> (B, Hq, S, D)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal,
+                                         enable_gqa=k.shape[1] != q.shape[1])
     return out.transpose(1, 2)  # (B, H, S, D) -> (B, S, H, D)
+
+
+def sdpa_takes_groups(device_type, dtype, masked):
+    """Whether SDPA runs grouped-query attention (fewer kv heads than query heads) in a fused kernel. On CPU it
+    does. On CUDA only its flash kernel does, for fp16 and bf16 without a mask; float32 or a mask send it to the
+    math kernel, which holds every score, [B, Hq, S, S] (an H100 with torch 2.11: 82 MiB for 32 MiB of float32
+    scores), so there k and v are expanded first, and the memory-efficient kernel takes them."""
+    return device_type == "cpu" or (device_type == "cuda" and dtype in (torch.float16, torch.bfloat16) and not masked)
 
 
 def sliding_window_attention(q, k, v, window):
     """Sliding-window causal attention: token i sees tokens i-window+1 .. i. Same layout as causal_attention.
-    It is not dense causal attention, yet ulysses_attention runs it unchanged: the wrapper only moves heads."""
-    if _use_flash(q):
+    It is not dense causal attention, yet ulysses_attention runs it unchanged: the wrapper only moves heads. Without
+    flash-attn SDPA takes the window as an [S, S] mask: a byte a query-key pair, and every pair computed (the ring's
+    tiles, ring.ring_attention(q, k, v, window=...), hold a query tile's scores at most)."""
+    if use_flash_attn(q.device.type, q.dtype, q.shape[-1]):
         return flash_attn_func(q, k, v, causal=True, window_size=(window - 1, 0))
-    i = torch.arange(q.shape[1], device=q.device)
-    distance = i[:, None] - i[None, :]  # (S, S): query index minus key index
-    return _sdpa(q, k, v, attn_mask=(distance >= 0) & (distance < window))
+    S = q.shape[1]
+    visible = torch.ones(S, S, dtype=torch.bool, device=q.device).tril_().triu_(1 - window)  # (S, S): key j <= i
+    return _sdpa(q, k, v, attn_mask=visible)  # and j > i - window
 
 
 def document_attention(q, k, v, position_ids, window=None):
@@ -357,7 +385,7 @@ def document_attention(q, k, v, position_ids, window=None):
     so memory grows with the longest document, never as S^2."""
     B, S, Hq, D = q.shape
     cu_seqlens = document_bounds(position_ids == 0)  # (documents + 1,)
-    if flash_attn_varlen_func is not None and _use_flash(q):
+    if use_flash_attn(q.device.type, q.dtype, D):
         q, k, v = (t.flatten(0, 1) for t in (q, k, v))  # (B*S, heads, D): the batch as one long token stream
         cu_seqlens = cu_seqlens.to(torch.int32)
         longest = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
@@ -445,25 +473,31 @@ def global_valid_tokens(labels, group=None):
 
 
 def check_inputs(q, k, v, group):
-    """ValueError on every rank, naming what differs and each rank's value, unless every rank of the group passes
-    q, k and v of the same sizes and dtype. The all-to-all's split sizes assume it; a mismatch would otherwise
-    abort the processes inside gloo. One all-gather of seven numbers a call: `python bench.py attention
-    --check-cost` measures it, and ulysses_attention(..., check=False) turns it off."""
+    """ValueError on every rank unless every rank of the group passes q, k and v that fit together, of the same
+    sizes and dtype as the other ranks', naming what is wrong and where. The all-to-all's split sizes assume it; a
+    mismatch would otherwise abort the processes inside gloo, or leave them waiting there. One all-gather of eight
+    numbers a call: `python bench.py attention --check-cost` measures it, and ulysses_attention(..., check=False)
+    turns it off."""
     names = ("batch size", "tokens", "query heads", "head size", "kv heads", "value head size", "dtype")
     dtypes = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
-    mine = torch.tensor([*q.shape, k.shape[2], v.shape[3], dtypes.index(q.dtype)], device=q.device)  # (7,)
+    fit = k.shape == v.shape[:3] + k.shape[3:] and q.shape[:2] == k.shape[:2] and q.dtype == k.dtype == v.dtype
+    mine = torch.tensor([*q.shape, k.shape[2], v.shape[3], dtypes.index(q.dtype), fit], device=q.device)  # (8,)
     every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
     with _gloo_lets_go(mine, *every):
         dist.all_gather(every, mine, group=group)
-    for name, values in zip(names, torch.stack(every).T.tolist()):  # (P, 7) -> 7 rows of P values
+    every = torch.stack(every).T.tolist()  # (P, 8) -> 8 rows of P values
+    unfit = [rank for rank, fits in enumerate(every.pop()) if not fits]
+    if unfit:  # every rank learns it, so none goes on into the all-to-all alone
+        mine = (f" (this rank: q {tuple(q.shape)} {q.dtype}, k {tuple(k.shape)} {k.dtype}, v {tuple(v.shape)} "
+                f"{v.dtype})" if not fit else "")
+        raise ValueError(f"ulysses_attention: q, k and v do not fit together on SP rank "
+                         f"{', '.join(map(str, unfit))}{mine}; want q [B, S/P, Hq, D], k [B, S/P, Hkv, D] and v "
+                         f"[B, S/P, Hkv, Dv] of one dtype")
+    for name, values in zip(names, every):
         values = [dtypes[i] for i in values] if name == "dtype" else values
         if len(set(values)) > 1:
             raise ValueError(f"ulysses_attention: the ranks of the SP group pass q, k, v of different {name}, "
                              f"{values} by rank; each must pass the same batch, S/P tokens and heads")
-    if k.shape != v.shape[:3] + k.shape[3:] or q.shape[:2] != k.shape[:2] or not q.dtype == k.dtype == v.dtype:
-        raise ValueError(f"ulysses_attention: q {tuple(q.shape)} {q.dtype}, k {tuple(k.shape)} {k.dtype}, v "
-                         f"{tuple(v.shape)} {v.dtype}: want q [B, S/P, Hq, D], k [B, S/P, Hkv, D] and v "
-                         f"[B, S/P, Hkv, Dv] of one dtype")
 
 
 def check_shards(x, group=None):
