@@ -3,14 +3,16 @@ Memory: what one rank will hold in a training step, predicted before anything is
 measured.
 
 A rank's peak is its model state plus the larger of two things that never coexist: the activations autograd
-keeps until backward (with the backward's own working set on top), and AdamW's temporaries in the optimizer step.
+keeps until backward (with the backward's own working set on top), and the optimizer step's gradients and
+temporaries. Backward frees a layer's activations as it makes the layer's gradients, so the two peak apart: the
+activations as backward starts, the gradients once it ends.
 
-    peak = state + max(activations, adamw)
-    state        ZeRO-3: 16 bytes a parameter / N ranks (float32 param, grad, two AdamW moments), plus two
-                 gathered units in the compute dtype; unsharded: 16 bytes a parameter
+    peak = state + max(activations, step)
+    state        ZeRO-3: 12 bytes a parameter / N ranks (float32 param, two AdamW moments), plus two gathered
+                 units in the compute dtype; unsharded: 12 bytes a parameter (14 in bf16: autocast's copy)
     activations  per local token (S/P of them): what each layer keeps for backward, counted tensor by tensor,
                  plus the largest backward working set (the head's logits, or one block's)
-    adamw        two float32 temporaries the size of this rank's shard
+    step         the float32 gradients and AdamW's two float32 temporaries, the size of this rank's shard
 
 `predict_memory` builds the model on the meta device (shapes, no memory) and counts. `check_memory` refuses a run
 that would not fit before it starts, with what would; `plan` (--plan NxG) prints the prediction for N GPUs of
@@ -46,13 +48,14 @@ def local_tokens(args):
 
 
 
-def predict_memory(cfg, tokens, batch, sp, ring_size, world_size, zero, cuda, bf16):
+def predict_memory(cfg, tokens, batch, sp, ring_size, world_size, zero, cuda, bf16, accumulate=False):
     """This rank's peak tensor memory in one training step of GPT(cfg), in bytes, before anything is allocated:
-    {"peak", "state", "activations", "adamw" (the optimizer step's temporaries), "offloaded" (kept in CPU memory
-    by cfg.offload)}, peak = state + the larger of activations and adamw. tokens: this rank's per
+    {"peak", "state", "activations", "step" (the optimizer step's gradients and temporaries), "offloaded" (kept in
+    CPU memory by cfg.offload)}, peak = state + the larger of activations and step. tokens: this rank's per
     micro-step (batch * S/sp); ring_size: the ring degree R (1: Ulysses alone over sp ranks); zero: "0", "3" or
-    "fsdp2" over world_size ranks. The model is built on the meta
-    device: shapes, no memory. `python bench.py memory` sets the prediction beside the measured peak.
+    "fsdp2" over world_size ranks; accumulate: gradient accumulation, whose micro-steps after the first run beside
+    the gradients. The model is built on the meta device: shapes, no memory. `python bench.py memory` sets the
+    prediction beside the measured peak.
 
     What a layer keeps for backward is counted tensor by tensor, in elements per local token, as autograd saves
     it on CPU in float32 (torch.autograd.graph.saved_tensors_hooks, storages counted once); bf16 takes the same
@@ -72,8 +75,9 @@ def predict_memory(cfg, tokens, batch, sp, ring_size, world_size, zero, cuda, bf
         q, kv = (n * U * D for n in (max(map(len, ulysses.head_layout(H, cfg.n_kv_head, U)[0])), kernel_kv))
     wide = 4 / e  # a float32 number in elements of e bytes: in bf16 the residual stream and the norms stay float32
     mlp = 9 * h if cfg.tiles == 1 else h  # its input, fc output and gelu output; tiled, its input alone
-    # norm1: input, input * rstd, output; norm2: input, input * rstd; one rstd each (all float32 but the output)
-    norms = wide * (4 * h + 2) + h
+    # norm1: input, input * rstd, output; norm2: input, input * rstd; one rstd each (all float32 but the output).
+    # On CUDA RMSNorm is one fused kernel, which keeps its input and rstd, not their product.
+    norms = wide * ((2 if cuda else 4) * h + 2) + h
     # softmax attention: the kernel's q, k, v and output, its logsumexp (one a head), and the projection's input,
     # which without all-to-alls is the kernel's output itself, but keeps the whole qkv output alive (v is a view of
     # it) beside the rotated q and k; the all-to-alls make new tensors of them all
@@ -120,15 +124,27 @@ def predict_memory(cfg, tokens, batch, sp, ring_size, world_size, zero, cuda, bf
     # softmax's output, 4 bytes each per vocabulary entry; tiled, its input and one tile's logits and gradient.
     head = tokens * e * ((2 * wide + 1) * h if cfg.tiles == 1 else (wide + 1) * h) + tokens * V * (
         12 if cfg.tiles == 1 else 8 / cfg.tiles)
-    # A block's backward (after its recomputation, if any) holds about four float32 [h] gradients at once: measured
-    layer = tokens * e * ((max(layers) if cfg.recompute else 0) + 4 * h * wide) + tokens * ring_backward
-    activations = blocks - offloaded + tokens * 4 * 2 * D + max(head, layer)  # + RoPE's float32 cos and sin
-    if zero == "0":  # everything on every rank (in bf16 also autocast's bf16 copy of the weights)
-        state, local = (16 + (2 if bf16 else 0)) * n_params, n_params
-    else:  # float32 shards of params, grads and AdamW's two moments, and two gathered units (compute dtype)
-        state, local = 16 * n_params / world_size + 2 * unit * e, n_params / world_size
-    adamw = 8 * local  # AdamW's step makes two float32 temporaries the size of the shards, after backward
-    return {"peak": state + max(activations, adamw), "state": state, "activations": activations, "adamw": adamw,
+    # A block's backward (after its recomputation, if any) holds about four float32 [h] gradients at once on CPU,
+    # two on CUDA, whose fused kernels make fewer temporaries: measured (an H100: BENCHMARKS.md, the GPU section)
+    gradients = (2 if cuda else 4) * h * wide
+    layer = tokens * e * ((max(layers) if cfg.recompute else 0) + gradients) + tokens * ring_backward
+    # Sharded, a unit's backward ends with its whole gradient, which is summed over the ranks in float32: in bf16 a
+    # float32 copy of it beside it (6 bytes a parameter), in float32 the gradient and this rank's slice of the sum
+    gradient = 0 if zero == "0" else unit * (6 if bf16 else 4 + 4 / world_size)
+    activations = blocks - offloaded + tokens * 4 * 2 * D + max(head, layer + gradient)  # + RoPE's cos and sin
+    # The model state: float32 parameters and AdamW's two moments, 12 bytes a parameter, on every rank (in bf16 also
+    # autocast's bf16 copy of the weights, which backward keeps) or in shards (and two gathered units). The float32
+    # gradients, 4 bytes more, exist from backward on: the activations peak as backward starts, before any of them
+    # (beside the previous micro-step's with gradient accumulation), and the optimizer step holds them all beside
+    # AdamW's two float32 temporaries.
+    if zero == "0":
+        state, local = (12 + (2 if bf16 else 0)) * n_params, n_params
+    else:
+        state, local = 12 * n_params / world_size + 2 * unit * e, n_params / world_size
+    activations += 4 * local if accumulate else 0
+    state += 64 * 2**20 if cuda else 0  # cuBLAS's and cuDNN's workspaces: 64 to 80 MiB a GPU (an H100, torch 2.11)
+    step = (4 + 8) * local  # the gradients and AdamW's two temporaries, the size of the parameters or shards
+    return {"peak": state + max(activations, step), "state": state, "activations": activations, "step": step,
             "offloaded": offloaded}
 
 
@@ -136,7 +152,8 @@ def predicted(args, world_size, cuda=None, **changed):
     """predict_memory for a run with these flags (some of them changed)."""
     args = argparse.Namespace(**{**vars(args), **changed})
     return predict_memory(model_config(args), local_tokens(args), args.batch_size, args.sp, args.ring, world_size,
-                          args.zero, args.device == "cuda" if cuda is None else cuda, args.dtype == "bfloat16")
+                          args.zero, args.device == "cuda" if cuda is None else cuda, args.dtype == "bfloat16",
+                          args.grad_accum > 1)
 
 
 def memory_verdict(args, world_size, memory, cuda):
@@ -164,8 +181,8 @@ def memory_verdict(args, world_size, memory, cuda):
     m, gib = predicted(args, world_size, cuda), lambda b: f"{b / 2**30:,.1f} GiB"
     return m["peak"] <= memory, (
         f"{gib(m['peak'])} per rank for {local_tokens(args) // args.batch_size:,} tokens a rank (model state "
-        f"{gib(m['state'])} + the larger of activations {gib(m['activations'])} and AdamW's step temporaries "
-        f"{gib(m['adamw'])}; {gib(m['offloaded'])} more in CPU memory), against "
+        f"{gib(m['state'])} + the larger of activations {gib(m['activations'])} and the optimizer step's gradients "
+        f"and temporaries {gib(m['step'])}; {gib(m['offloaded'])} more in CPU memory), against "
         f"{gib(memory)}; {f'about {longest:,} tokens would fit' if longest else 'no sequence fits'}; "
         f"{'; '.join(others) or 'nothing else to try'}")
 

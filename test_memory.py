@@ -10,6 +10,7 @@ import subprocess
 import time
 
 import pytest
+import torch
 
 import launch
 import memory
@@ -49,11 +50,11 @@ def test_a_run_that_cannot_fit_is_refused_and_a_plan_is_printed(monkeypatch, cap
     assert train.main(["--plan", "8x80", "--n-layer", "32", "--n-embd", "4096", "--n-head", "32", "--n-kv-head", "8",
                        "--seq-len", "1048576", "--batch-size", "1", "--tiles", "64", "--recompute", "--offload"])
     plan = re.search(r"^plan: 8 GPUs, sp 8, seq 1,048,576: fits: ([\d.]+) GiB per rank for 131,072 tokens a rank "
-                     r"\(model state ([\d.]+) GiB \+ the larger of activations ([\d.]+) GiB and AdamW's step "
-                     r"temporaries ([\d.]+) GiB; [\d.]+ GiB more in CPU memory\), against "
+                     r"\(model state ([\d.]+) GiB \+ the larger of activations ([\d.]+) GiB and the optimizer "
+                     r"step's gradients and temporaries ([\d.]+) GiB; [\d.]+ GiB more in CPU memory\), against "
                      r"80.0 GiB; about [\d,]+ tokens would fit", capsys.readouterr().out)
-    peak, state, activations, adamw = map(float, plan.groups())
-    assert abs(state + max(activations, adamw) - peak) <= 0.1  # the parts add up, to the printed rounding
+    peak, state, activations, step = map(float, plan.groups())
+    assert abs(state + max(activations, step) - peak) <= 0.1  # the parts add up, to the printed rounding
     for plan in ("8", "8xinf", "8x0", "0x80", "8xnan"):
         with pytest.raises(SystemExit, match=rf"--plan {plan}: write it as GPUSxGIB, at least one GPU of more than 0 "
                                              rf"GiB, e.g. 8x80"):
@@ -117,3 +118,34 @@ def test_context_memory_prediction_is_within_20_percent(world_size, argv):
     launch.check_args(args, world_size)
     predicted = memory.predicted(args, world_size)["peak"]
     assert abs(predicted / peak - 1) < 0.2, (predicted, peak)
+
+
+ZERO3_UNITS = ["--n-layer", "2", "--n-embd", "512", "--seq-len", "64", "--batch-size", "1", "--steps", "2"]
+
+
+def _zero3_units_rank(rank, world_size):
+    return [train.main(ZERO3_UNITS + ["--dtype", dtype])[-1]["peak_bytes"] for dtype in ("bfloat16", "float32")]
+
+
+def test_memory_prediction_counts_a_units_gradient():
+    """ZeRO-3 over 4 ranks with blocks of 3.1M parameters and 64 tokens: a unit's whole gradient, and in bf16 its
+    float32 copy for the sum over the ranks, outweigh the activations. The prediction is within 10% of the measured
+    peak in bf16 and float32 (without the gradient it was 17% and 13% low)."""
+    per_rank = run_ranks(4, _zero3_units_rank)
+    for dtype, peak in zip(("bfloat16", "float32"), map(max, zip(*per_rank))):
+        args = launch.parse_args(ZERO3_UNITS + ["--dtype", dtype])
+        launch.check_args(args, 4)
+        predicted = memory.predicted(args, 4)["peak"]
+        assert abs(predicted / peak - 1) < 0.1, (dtype, predicted, peak)
+
+
+def test_a_run_that_cannot_fit_the_gpu_is_refused(monkeypatch):
+    """On CUDA the refusal weighs the prediction against the GPU's free memory (torch.cuda.mem_get_info; here
+    stand-ins of a GPU with 1 GiB free of 80): one line with what would fit, before anything is allocated."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (2**30, 80 * 2**30))
+    args = launch.parse_args(["--device", "cuda", "--seq-len", "1000000", "--batch-size", "1"])
+    launch.check_args(args, 1)
+    with pytest.raises(launch.Mistake, match=r"^this run would need [\d.]+ GiB per rank for 1,000,000 tokens a rank "
+                                             r"\(model state .*\), against 1.0 GiB; about [\d,]+ tokens would fit"):
+        memory.check_memory(args, 1)
