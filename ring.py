@@ -364,7 +364,7 @@ def block_kernel(device_type, dtype, head_dim, flash_attn_version=FLASH_ATTN_VER
 
         cpu_flash    CPU: every dtype, every head size (16-bit inputs widened to float32)
         flash_attn   CUDA, fp16 or bf16, head size a multiple of 8 up to 256, flash-attn 2.7 or later installed
-        sdpa_flash   the same without flash-attn: PyTorch's own CUDA flash kernel (what SDPA runs)
+        sdpa_flash   the same without flash-attn: PyTorch's own CUDA flash kernel (one of those SDPA runs)
         efficient    CUDA, float32 with a head size a multiple of 4, or 16-bit past 256: PyTorch's memory-efficient
                      kernel
         tiles        anything else (float64 on CUDA, 16-bit head sizes that are not a multiple of 8), in float32

@@ -98,16 +98,8 @@ def flash_attn_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                     alibi_slopes=None, deterministic=False, return_attn_probs=False):
     need(q.dim() == 4 and q.shape[:2] == k.shape[:2] == v.shape[:2], "q, k, v [B, S, heads, D]")
-    need(q.dtype in SIXTEEN_BIT and k.dtype == v.dtype == q.dtype and q.shape[-1] <= 256, "fp16/bf16, head <= 256")
-    need(q.shape[2] % k.shape[2] == 0 and causal and not return_attn_probs, "grouped heads; causal, as ulysses calls")
-    D, S = q.shape[-1], q.shape[1]
-    padded = [F.pad(t, (0, -D % 8)).float().transpose(1, 2) for t in (q, k, v)]  # (B, H, S, D rounded up to 8)
-    G = q.shape[2] // k.shape[2]
-    padded[1:] = [t.repeat_interleave(G, dim=1) for t in padded[1:]]
-    i = torch.arange(S)
-    visible = (i[:, None] >= i) & ((i[:, None] - i < window_size[0] + 1) if window_size[0] >= 0 else True)
-    out = cpu_sdpa(*padded, attn_mask=visible, scale=softmax_scale or D ** -0.5)  # (B, H, S, D8)
-    return out.transpose(1, 2).to(q.dtype)[..., :D]  # (B, S, H, D): a view, not contiguous when D % 8 != 0
+    need(not return_attn_probs, "no probabilities returned, as ulysses.py calls it")
+    return padded_attention(q, k, v, softmax_scale, causal, window_size)[..., :q.shape[-1]]  # (B, S, H, D): a view
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
@@ -119,9 +111,23 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     need(bounds[0] == 0 and bounds[-1] == q.shape[0] and bounds == sorted(bounds), f"cu_seqlens {bounds}")
     lengths = [b - a for a, b in zip(bounds, bounds[1:])]
     need(max_seqlen_q == max_seqlen_k == max(lengths) and isinstance(max_seqlen_q, int), "max_seqlen, an int")
-    out = [flash_attn_func(*(t[None, a:b] for t in (q, k, v)), causal=causal, window_size=window_size)[0]
-           for a, b in zip(bounds, bounds[1:])]
-    return torch.cat(out)  # (total, H, D), views of padded outputs joined
+    out = [padded_attention(*(t[None, a:b] for t in (q, k, v)), softmax_scale, causal, window_size)[0]
+           for a, b in zip(bounds, bounds[1:])]  # (n, H, D rounded up to 8) each
+    return torch.cat(out)[..., :q.shape[-1]]  # (total, H, D): a view of the padded output, strided when D % 8
+
+
+def padded_attention(q, k, v, softmax_scale, causal, window_size):
+    """What flash-attn's public calls compute: fp16 or bf16, any head size up to 256, padded to a multiple of 8
+    (returned padded, [B, S, H, D rounded up to 8]), grouped-query heads, causal with a window to the left."""
+    need(q.dtype in SIXTEEN_BIT and k.dtype == v.dtype == q.dtype and q.shape[-1] <= 256, "fp16/bf16, head <= 256")
+    need(q.shape[2] % k.shape[2] == 0 and causal, "grouped heads; causal, as ulysses.py calls it")
+    D, S, G = q.shape[-1], q.shape[1], q.shape[2] // k.shape[2]
+    padded = [F.pad(t, (0, -D % 8)).float().transpose(1, 2) for t in (q, k, v)]  # (B, H, S, D rounded up to 8)
+    padded[1:] = [t.repeat_interleave(G, dim=1) for t in padded[1:]]
+    i = torch.arange(S)
+    visible = (i[:, None] >= i) & ((i[:, None] - i < window_size[0] + 1) if window_size[0] >= 0 else True)
+    out = cpu_sdpa(*padded, attn_mask=visible, scale=softmax_scale or D ** -0.5)  # (B, H, S, D8)
+    return out.transpose(1, 2).to(q.dtype)  # (B, S, H, D8)
 
 
 # ----------------------------------------------------------------------------------------------------------------
