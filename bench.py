@@ -13,6 +13,8 @@ that teach a concept, so those read as their lesson.
     python bench.py ring        # Ulysses, ring and Ulysses x Ring on the same ranks: time, bytes, calls, memory;
                                 # the ring's fused block kernel against its einsum tiles and one process's SDPA;
                                 # causal work per rank, contiguous against zigzag
+    python bench.py gpu         # on a CUDA GPU: the ring's block kernel and ulysses_attention against SDPA, the
+                                # chunked gated delta rule against FLA's Triton kernel
 
 Multi-rank measurements start their own gloo processes on this machine; `python bench.py CMD --help` lists the
 options of each.
@@ -574,6 +576,61 @@ def ring_(args):
                                                                                     else f" (not equal: {zigzag})"))
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# python bench.py gpu: on one CUDA GPU, the attention kernels and the gated delta rule beside their fast peers
+
+
+def gpu(args):
+    """The ring's block kernel (ring_attention without a group) and ulysses_attention without a group, against SDPA's
+    causal kernel, forward and backward; the chunked gated delta rule's forward against FLA's Triton kernel (the
+    fla-core package), outputs compared. Medians of --reps, timed with CUDA events."""
+    if not torch.cuda.is_available():
+        raise SystemExit("bench.py gpu: needs a CUDA GPU; this machine has none")
+
+    def milliseconds(run):
+        run()
+        times = []
+        for _ in range(args.reps):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            run()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+        return statistics.median(times)
+
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; bf16, B 1, 16 query and 4 kv heads of 128; "
+          f"forward + backward; median of {args.reps}", flush=True)
+    for S in args.seq_lens:
+        q = torch.randn(1, S, 16, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        k, v = (torch.randn(1, S, 4, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+        sdpa = lambda q, k, v: F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)), is_causal=True,
+                                                              enable_gqa=True).transpose(1, 2)
+        grad_out = torch.randn_like(q)
+        times = [milliseconds(lambda: attend(q, k, v).backward(grad_out))
+                 for attend in (sdpa, ring.ring_attention, ulysses.ulysses_attention)]
+        print(f"S {S:6}: SDPA {times[0]:7.2f} ms ({7 * S * S * 16 * 128 / times[0] / 1e9:.0f} TFLOP/s)   "
+              f"ring_attention {times[1]:7.2f} ms ({times[1] / times[0]:.2f}x)   ulysses_attention "
+              f"{times[2]:7.2f} ms ({times[2] / times[0]:.2f}x)", flush=True)
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    except ImportError:
+        print("the gated delta rule against FLA: install fla-core to compare")
+        return
+    print("gated delta rule, forward: H 16, Dk = Dv = 128; ours in float32, FLA's in bf16", flush=True)
+    with torch.no_grad():
+        for S in args.seq_lens:
+            q, k = (F.normalize(torch.randn(1, S, 16, 128, device="cuda"), dim=-1) for _ in range(2))
+            v = torch.randn(1, S, 16, 128, device="cuda")
+            g = -F.softplus(torch.randn(1, S, 16, device="cuda")) / 10  # log decays
+            beta = torch.rand(1, S, 16, device="cuda").sigmoid()
+            theirs = lambda: chunk_gated_delta_rule(q.bfloat16(), k.bfloat16(), v.bfloat16(), g, beta)[0]
+            ours = lambda: gdn.chunk_gated_delta_rule(q, k, v, g, beta)
+            difference = (theirs().float() - ours()).norm() / ours().norm()
+            print(f"S {S:6}: ours {milliseconds(ours):7.2f} ms   FLA {milliseconds(theirs):6.2f} ms   outputs "
+                  f"{difference:.1e} apart (relative)", flush=True)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=_HelpFormatter, allow_abbrev=False)
     subparsers = parser.add_subparsers(dest="command", required=True)
@@ -622,6 +679,9 @@ def main(argv=None):
     p.add_argument("--head-dim", type=int, default=64, help="dimensions per head")
     p.add_argument("--batch-size", type=int, default=1, help="sequences")
     p.add_argument("--reps", type=int, default=5, help="timed repetitions (after one warm-up)")
+    p = command("gpu", "on a CUDA GPU: the attention kernels and the gated delta rule beside their fast peers")
+    p.add_argument("--seq-lens", type=int, nargs="+", default=[8192, 32768], help="tokens, one row each")
+    p.add_argument("--reps", type=int, default=5, help="timed repetitions (after one warm-up)")
     args = parser.parse_args(argv)
     if args.command == "ring" and any(args.seq_len % (2 * P) for P in args.ranks):
         parser.error(f"--seq-len {args.seq_len}: must be a multiple of 2 x every P in --ranks (the zigzag chunks)")
@@ -634,7 +694,7 @@ def main(argv=None):
                 parser.error(f"--sp {P}: each SP size must be at least 2 and divide --heads {args.heads} and "
                              f"--kv-heads {args.kv_heads} (the weak-scaling rows use 2 and 4 as well)")
     measure = {"attention": attention, "tiled": tiled, "deltanet": deltanet, "memory": memory_, "compile": compile_,
-               "ring": ring_}
+               "ring": ring_, "gpu": gpu}
     measure[args.command](args)
 
 
