@@ -60,7 +60,7 @@ def predict_memory(cfg, tokens, batch, sp, ring_size, world_size, zero, cuda, bf
     What a layer keeps for backward is counted tensor by tensor, in elements per local token, as autograd saves
     it on CPU in float32 (torch.autograd.graph.saved_tensors_hooks, storages counted once); bf16 takes the same
     counts at two bytes each, but four for what stays float32 (the residual stream, the norms, Gated DeltaNet's
-    kernel). On CPU that comes out between 12% below and 10% above the measured peak (a ring run: within 20%, as
+    kernel). On CPU that comes out between 12% below and 20% above the measured peak (a ring run: within 20%, as
     test_memory.py checks; the ring's fused block kernel holds no scores, its einsum tiles, with a window, hold a
     query tile's, counted at their largest); on an H100, for a 0.7B model at 8k to 256k tokens, within 8%."""
     with torch.device("meta"):
@@ -128,9 +128,10 @@ def predict_memory(cfg, tokens, batch, sp, ring_size, world_size, zero, cuda, bf
     # two on CUDA, whose fused kernels make fewer temporaries: measured (an H100: BENCHMARKS.md, the GPU section)
     gradients = (2 if cuda else 4) * h * wide
     layer = tokens * e * ((max(layers) if cfg.recompute else 0) + gradients) + tokens * ring_backward
-    # Sharded, a unit's backward ends with its whole gradient, which is summed over the ranks in float32: in bf16 a
-    # float32 copy of it beside it (6 bytes a parameter), in float32 the gradient and this rank's slice of the sum
-    gradient = 0 if zero == "0" else unit * (6 if bf16 else 4 + 4 / world_size)
+    # Sharded, a unit's backward ends with its whole gradient: its parameters' gradients joined into one buffer
+    # (both at once: 8 bytes a parameter in float32), which is summed over the ranks in float32 (in bf16 a float32
+    # copy beside it: 6 bytes a parameter)
+    gradient = 0 if zero == "0" else unit * (6 if bf16 else 8)
     activations = blocks - offloaded + tokens * 4 * 2 * D + max(head, layer + gradient)  # + RoPE's cos and sin
     # The model state: float32 parameters and AdamW's two moments, 12 bytes a parameter, on every rank (in bf16 also
     # autocast's bf16 copy of the weights, which backward keeps) or in shards (and two gathered units). The float32
@@ -143,7 +144,9 @@ def predict_memory(cfg, tokens, batch, sp, ring_size, world_size, zero, cuda, bf
         state, local = 12 * n_params / world_size + 2 * unit * e, n_params / world_size
     activations += 4 * local if accumulate else 0
     state += 64 * 2**20 if cuda else 0  # cuBLAS's and cuDNN's workspaces: 64 to 80 MiB a GPU (an H100, torch 2.11)
-    step = (4 + 8) * local  # the gradients and AdamW's two temporaries, the size of the parameters or shards
+    # the gradients, beside AdamW's two temporaries the size of the parameters or shards, or, sharded, the last
+    # units' whole gradients as backward ends
+    step = 4 * local + max(8 * local, gradient)
     return {"peak": state + max(activations, step), "state": state, "activations": activations, "step": step,
             "offloaded": offloaded}
 
