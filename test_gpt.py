@@ -4,6 +4,8 @@ GQA and uneven heads; packed documents under SP, no document seeing another; a p
 document alone; tiles and recomputation against the plain model.
 """
 
+import re
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -96,15 +98,30 @@ def test_packed_documents_under_sp(world_size, pattern):
 
 @pytest.mark.parametrize("pattern", ["a", "da"])
 def test_packed_batch_equals_documents_alone(pattern):
-    """Each document of a packed batch gets exactly the logits it gets when run alone from position 0."""
+    """Each document of a packed batch, in both rows (the second has the documents in another order, and opens
+    with one continued from an earlier sample), gets exactly the logits it gets when run alone, at its positions."""
     model = _packed_model(None, pattern)
     inputs, _, position_ids = packed_batch()
     packed_logits = model(inputs, position_ids, packed=True)  # (2, 32, vocab)
-    offset = 0
-    for n in DOC_LENGTHS:
-        alone = model(inputs[:1, offset:offset + n], torch.arange(n)[None])  # (1, n, vocab), plain causal
-        torch.testing.assert_close(packed_logits[:1, offset:offset + n], alone, rtol=1e-5, atol=1e-5)
-        offset += n
+    for row, lengths in ((0, DOC_LENGTHS), (1, DOC_LENGTHS[::-1])):
+        offset = 0
+        for n in lengths:
+            span = slice(offset, offset + n)
+            alone = model(inputs[row:row + 1, span], position_ids[row:row + 1, span])  # (1, n, vocab), plain causal
+            torch.testing.assert_close(packed_logits[row:row + 1, span], alone, rtol=1e-5, atol=1e-5,
+                                       msg=lambda m: f"row {row}, tokens {span}: {m}")
+            offset += n
+
+
+@pytest.mark.parametrize("shape", [(2, 5), (4,), (2, 3)], ids=["one-too-long", "1d", "one-too-short"])
+def test_position_ids_of_the_wrong_shape_are_named(shape):
+    """GPT.forward with position ids of another shape than the tokens': one line naming the argument, its shape
+    and the shape it wants, before RoPE could broadcast them or fail with a message about tensors a and b."""
+    model = _packed_model(None, "a")
+    idx = torch.zeros(2, 4, dtype=torch.long)
+    with pytest.raises(ValueError, match=rf"^GPT.forward: idx \(2, 4\), position_ids {re.escape(str(shape))}: want "
+                                         rf"position_ids of idx's shape, \[B, S_local\]$"):
+        model(idx, torch.zeros(shape, dtype=torch.long))
 
 
 def test_gpt_tiled_and_recomputed_equals_plain():
