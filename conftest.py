@@ -104,10 +104,10 @@ def start(cmd, cwd=HERE, **popen):
     return process
 
 
-def run(cmd, cwd=HERE, timeout=120):
+def run(cmd, cwd=HERE, timeout=120, **popen):
     """Run a command to its end, within timeout seconds. Returns (exit status, output, seconds)."""
     begun = time.monotonic()
-    process = start(cmd, cwd)
+    process = start(cmd, cwd, **popen)
     output, _ = process.communicate(timeout=timeout)
     return process.returncode, output, time.monotonic() - begun
 
