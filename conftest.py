@@ -124,8 +124,8 @@ def torchrun_patched(tmp_path, patch, argv, launcher=(), timeout=120):
     rank 1 alone. Returns (exit status, output, seconds)."""
     script = tmp_path / "patched_train.py"
     script.write_text(f"import os, signal, sys, time\nsys.path.insert(0, {HERE!r})\nimport checkpoint, data, memory, "
-                      f"train\nif os.environ['RANK'] == '1':\n" + "".join(f"    {line}\n" for line in patch.splitlines())
-                      + "train.main()\n")
+                      f"train\nif os.environ['RANK'] == '1':\n"
+                      + "".join(f"    {line}\n" for line in patch.splitlines()) + "train.main()\n")
     return run(torchrun(2, *launcher)[:-1] + [str(script), *argv], timeout=timeout)
 
 

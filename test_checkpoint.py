@@ -243,10 +243,11 @@ def test_a_save_slower_than_the_timeout_completes(tmp_path):
     """A rank that takes 6 s to write its checkpoint files, with --timeout 4: the others wait for it, as no
     collective deadline applies to the writing (its heartbeat shows it alive), and the run completes."""
     status, output, _ = torchrun_patched(tmp_path, "write_files = checkpoint.write_files\n"
-                                          "checkpoint.write_files = lambda path, files: time.sleep(6 * any(name.startswith("
-                                          "'shard') for name in files)) or write_files(path, files)",
-                                          ["--steps", "2", "--n-embd", "32", "--seq-len", "32", "--timeout", "4",
-                                           "--out-dir", str(tmp_path / "run")])
+                                                   "checkpoint.write_files = lambda path, files: time.sleep(6 * any("
+                                                   "name.startswith('shard') for name in files)) or write_files(path, "
+                                                   "files)",
+                                         ["--steps", "2", "--n-embd", "32", "--seq-len", "32", "--timeout", "4",
+                                          "--out-dir", str(tmp_path / "run")])
     assert status == 0, output[-3000:]
     assert [os.path.basename(p) for p in checkpoint.checkpoints(tmp_path / "run")] == ["step_000002"]
 
@@ -272,7 +273,8 @@ def test_a_killed_rank_restarts_from_the_newest_checkpoint(tmp_path):
     argv = ["--steps", "30", "--seq-len", "32", "--n-embd", "32", "--save-every", "10"]
     status, output, _ = torchrun_patched(tmp_path, "train_step = train.train_step\n"
                                                    "def killed_in_step_25(step, *args):\n"
-                                                   "    if step == 24 and os.environ['TORCHELASTIC_RESTART_COUNT'] == '0':\n"
+                                                   "    if step == 24 and os.environ['TORCHELASTIC_RESTART_COUNT'] == "
+                                                   "'0':\n"
                                                    "        os.kill(os.getpid(), signal.SIGKILL)\n"
                                                    "    return train_step(step, *args)\n"
                                                    "train.train_step = killed_in_step_25",

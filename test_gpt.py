@@ -1,7 +1,7 @@
 """
 Tests of gpt.py, the whole model, against one device: loss and every gradient under SP 2, 3 and 4 with padding,
 GQA and uneven heads; packed documents under SP, no document seeing another; a packed batch against each
-document alone; tiles and recomputation against the plain model.
+document alone; position ids of the wrong shape named; tiles and recomputation against the plain model.
 """
 
 import re
@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 import data
 import ulysses
-from conftest import DOC_LENGTHS, assert_all_close, grads, packed_batch, run_ranks, zero_batch
+from conftest import DOC_LENGTHS, assert_all_close, grads, packed_batch, run_ranks, summed, whole_sequence, zero_batch
 from gpt import GPT, GPTConfig
 
 
@@ -45,8 +45,8 @@ def test_gpt_with_sp_matches_one_device(world_size):
     for i, (reference_loss, reference_grads) in enumerate(_gpt_loss_and_grads(GPT_CASES, None)):
         # each rank holds the loss of its own tokens, and the gradient of it; summed they are the whole batch's
         torch.testing.assert_close(sum(r[i][0] for r in per_rank), reference_loss, rtol=1e-5, atol=1e-6)
-        summed = {name: sum(r[i][1][name] for r in per_rank) for name in reference_grads}
-        assert_all_close(summed, reference_grads, rtol=1e-4, atol=1e-6, where=str(GPT_CASES[i]))
+        assert_all_close(summed([r[i][1] for r in per_rank]), reference_grads, rtol=1e-4, atol=1e-6,
+                         where=str(GPT_CASES[i]))
 
 
 def _packed_model(group, pattern, window=0):
@@ -77,12 +77,12 @@ def test_packed_documents_under_sp(world_size, pattern):
     batch, for causal and sliding-window attention and for Gated DeltaNet (da: a DeltaNet layer, then softmax
     attention), and no document sees another."""
     per_rank = run_ranks(world_size, _packed_rank, pattern)
-    sp_results = [(torch.cat([r[i][0] for r in per_rank], dim=1)[:, :32],
-                   {n: sum(r[i][1][n] for r in per_rank) for n in per_rank[0][i][1]}) for i in range(3)]
-    for (logits, summed), window in zip(sp_results, (0, 5)):
+    sp_results = [(whole_sequence([r[i][0] for r in per_rank])[:, :32], summed([r[i][1] for r in per_rank]))
+                  for i in range(3)]
+    for (logits, grads_summed), window in zip(sp_results, (0, 5)):
         reference_logits, reference_grads = _packed_run(None, pattern, window)
         torch.testing.assert_close(logits, reference_logits, rtol=1e-5, atol=1e-5)
-        assert_all_close(summed, reference_grads, rtol=1e-4, atol=1e-6, where=f"window {window}")
+        assert_all_close(grads_summed, reference_grads, rtol=1e-4, atol=1e-6, where=f"window {window}")
     # no leakage: new tokens in document 1 change its own logits and nothing else
     logits, changed = sp_results[0][0], sp_results[2][0]
     for row, order in ((0, [0, 1, 2, 3]), (1, [3, 2, 1, 0])):

@@ -212,8 +212,8 @@ def test_compiled_training_inductor(world_size, layout, what, sent):
 @pytest.mark.parametrize("pack", [[], ["--pack"]], ids=["plain", "packed"])
 def test_training_on_text_learns(text_file, pack):
     """40 steps on the paragraphs take the loss from ln 256 = 5.55 (uniform over bytes) to below 2.7."""
-    history = train.main(["--data", str(text_file), "--seq-len", "64", "--steps", "40", "--n-embd", "32", "--lr", "3e-3"]
-                         + pack)
+    history = train.main(["--data", str(text_file), "--seq-len", "64", "--steps", "40", "--n-embd", "32", "--lr",
+                          "3e-3"] + pack)
     assert history[0]["loss"] > 5.4 and history[-1]["loss"] < 2.7, [r["loss"] for r in history]
 
 
