@@ -19,11 +19,11 @@ import datetime
 import io
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
-import shutil
 import tempfile
 import time
 import warnings
@@ -84,6 +84,25 @@ def run_ranks(world_size, fn, *args):
         while not ranks.join():  # returns once every rank has ended; raises if one failed
             pass
         return [torch.load(os.path.join(result_dir, f"{r}.pt"), weights_only=False) for r in range(world_size)]
+
+
+def train_rank(rank, world_size, runs):
+    """train.main once per run on this rank (for run_ranks); a run is its argv, or (argv, a checkpoint that rank 0
+    first copies into the run's --out-dir, for it to resume from). Returns each run's (metrics, what it printed)."""
+    results = []
+    for entry in runs:
+        argv, resume_from = entry if isinstance(entry, tuple) else (entry, None)
+        if resume_from:
+            if rank == 0:
+                out_dir = argv[argv.index("--out-dir") + 1]
+                shutil.copytree(resume_from, os.path.join(out_dir, os.path.basename(resume_from)))
+            if dist.is_initialized():
+                dist.barrier()
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):
+            history = train.main(argv)
+        results.append((history, printed.getvalue()))
+    return results
 
 
 # ================================================================================================================
@@ -322,27 +341,8 @@ def one_rank(monkeypatch):
 SHORT_RUN = ["--steps", "6", "--save-every", "3", "--n-layer", "2", "--n-embd", "32", "--seq-len", "32"]
 
 
-def train_rank(rank, world_size, runs):
-    """train.main once per run on this rank (for run_ranks); a run is its argv, or (argv, a checkpoint that rank 0
-    first copies into the run's --out-dir, for it to resume from). Returns each run's (metrics, what it printed)."""
-    results = []
-    for run in runs:
-        argv, start = run if isinstance(run, tuple) else (run, None)
-        if start:
-            if rank == 0:
-                out_dir = argv[argv.index("--out-dir") + 1]
-                shutil.copytree(start, os.path.join(out_dir, os.path.basename(start)))
-            if dist.is_initialized():
-                dist.barrier()
-        printed = io.StringIO()
-        with contextlib.redirect_stdout(printed):
-            history = train.main(argv)
-        results.append((history, printed.getvalue()))
-    return results
-
-
 # ================================================================================================================
-# A line of progress while a test runs
+# Each test: its time limit, the end of the processes it started, a line of progress while it runs
 
 
 def pytest_configure(config):
