@@ -39,6 +39,9 @@ import train
 import ulysses
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+if "OMP_NUM_THREADS" not in os.environ:  # one thread a process, this one and those it starts: the tests' models are
+    os.environ["OMP_NUM_THREADS"] = "1"  # small, and on a busy machine threads that wait for each other take many
+    torch.set_num_threads(1)  # times as long (train.py then leaves the thread count alone)
 LIMIT = 240  # seconds a test may run, unless it says otherwise (@pytest.mark.limit): the longest takes 30 s idle
 GROUP_TIMEOUT = 60  # seconds a collective of the rank processes waits for its peers (gloo's default: 30 minutes)
 
