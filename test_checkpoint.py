@@ -10,7 +10,6 @@ import json
 import os
 import re
 import shutil
-import signal
 
 import pytest
 import torch
