@@ -60,7 +60,7 @@ def predict_memory(cfg, tokens, batch, sp, ring_size, world_size, zero, cuda, bf
     What a layer keeps for backward is counted tensor by tensor, in elements per local token, as autograd saves
     it on CPU in float32 (torch.autograd.graph.saved_tensors_hooks, storages counted once); bf16 takes the same
     counts at two bytes each, but four for what stays float32 (the residual stream, the norms, Gated DeltaNet's
-    kernel). On CPU that comes out between 12% below and 20% above the measured peak (a ring run: within 20%, as
+    kernel). On CPU that comes out between 22% below and 7% above the measured peak (a ring run: within 16%, as
     test_memory.py checks; the ring's fused block kernel holds no scores, its einsum tiles, with a window, hold a
     query tile's, counted at their largest); on an H100, for a 0.7B model at 8k to 256k tokens, within 8%."""
     with torch.device("meta"):
@@ -128,11 +128,11 @@ def predict_memory(cfg, tokens, batch, sp, ring_size, world_size, zero, cuda, bf
     # two on CUDA, whose fused kernels make fewer temporaries: measured (an H100: BENCHMARKS.md, the GPU section)
     gradients = (2 if cuda else 4) * h * wide
     layer = tokens * e * ((max(layers) if cfg.recompute else 0) + gradients) + tokens * ring_backward
-    # Sharded, a unit's backward ends with its whole gradient: its parameters' gradients joined into one buffer
-    # (both at once: 8 bytes a parameter in float32), which is summed over the ranks in float32 (in bf16 a float32
-    # copy beside it: 6 bytes a parameter)
+    # Sharded, a unit's backward ends, its working set gone, with its whole gradient: its parameters' gradients
+    # joined into one buffer (both at once: 8 bytes a parameter in float32), summed over the ranks in float32 (in
+    # bf16 a float32 copy beside it: 6 bytes a parameter)
     gradient = 0 if zero == "0" else unit * (6 if bf16 else 8)
-    activations = blocks - offloaded + tokens * 4 * 2 * D + max(head, layer + gradient)  # + RoPE's cos and sin
+    activations = blocks - offloaded + tokens * 4 * 2 * D + max(head, layer, gradient)  # + RoPE's cos and sin
     # The model state: float32 parameters and AdamW's two moments, 12 bytes a parameter, on every rank (in bf16 also
     # autocast's bf16 copy of the weights, which backward keeps) or in shards (and two gathered units). The float32
     # gradients, 4 bytes more, exist from backward on: the activations peak as backward starts, before any of them
