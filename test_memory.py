@@ -169,3 +169,20 @@ def test_a_run_that_cannot_fit_the_gpu_is_refused(monkeypatch):
     with pytest.raises(launch.Mistake, match=r"^this run would need [\d.]+ GiB per rank for 1,000,000 tokens a rank "
                                              r"\(model state .*\), against 1.0 GiB; about [\d,]+ tokens would fit"):
         memory.check_memory(args, 1)
+
+
+M1B = ["--n-layer", "16", "--n-embd", "2048", "--n-head", "16", "--n-kv-head", "4", "--batch-size", "1"]
+H100_PEAKS = [(["--seq-len", "8192"], 18.406), (["--seq-len", "32768"], 45.738),
+              (["--seq-len", "131072", "--tiles", "16", "--recompute", "--offload"], 15.840),
+              (["--seq-len", "262144", "--tiles", "16", "--recompute", "--offload"], 22.542)]  # GiB, bf16, one GPU
+
+
+@pytest.mark.parametrize("argv, measured", H100_PEAKS, ids=["8k", "32k", "128k-offload", "256k-offload"])
+def test_the_cuda_prediction_holds_to_an_h100s_peaks(argv, measured):
+    """The prediction for CUDA against the peaks one H100 measured (torch.cuda.max_memory_allocated; torch 2.11;
+    `python train.py --device cuda` with a 0.7B model, BENCHMARKS.md's GPU section): within 10%. Counted as on CPU
+    it came out 23% to 50% high there (the fused RMSNorm, a block's backward temporaries, the gradients' place)."""
+    args = launch.parse_args(M1B + argv + ["--device", "cuda", "--plan", "1x80"])
+    launch.check_args(args, 1)
+    predicted = memory.predicted(args, 1)["peak"] / 2**30
+    assert abs(predicted / measured - 1) < 0.1, (argv, predicted, measured)
