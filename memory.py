@@ -276,7 +276,7 @@ class StorageBytes(TorchDispatchMode):
         super().__init__()
         self.inside_operators = inside_operators
         self.sizes = WeakIdKeyDictionary()  # storage -> [its bytes, as counted]
-        self.finalizers, self.now, self.peak = [], 0, 0
+        self.finalizers, self.now, self.peak, self.depth = [], 0, 0, 0  # depth: entries (an operator's code re-enters)
         for t in existing:
             self._see(t)
 
@@ -310,17 +310,21 @@ class StorageBytes(TorchDispatchMode):
         return out
 
     def __enter__(self):
-        resize = self.resize = torch.UntypedStorage.resize_
+        self.depth += 1
+        if self.depth == 1:  # the count starts: watch resizes (an operator's code, entered again, changes nothing)
+            resize = self.resize = torch.UntypedStorage.resize_
 
-        def counted_resize(storage, nbytes):
-            resize(storage, nbytes)
-            if storage in self.sizes:
-                self._grow(self.sizes[storage], storage.nbytes() - self.sizes[storage][0])
-        torch.UntypedStorage.resize_ = counted_resize
+            def counted_resize(storage, nbytes):
+                resize(storage, nbytes)
+                if storage in self.sizes:
+                    self._grow(self.sizes[storage], storage.nbytes() - self.sizes[storage][0])
+            torch.UntypedStorage.resize_ = counted_resize
         return super().__enter__()
 
     def __exit__(self, *exc):
-        torch.UntypedStorage.resize_ = self.resize
-        for finalizer in self.finalizers:
-            finalizer.detach()
+        self.depth -= 1
+        if self.depth == 0:  # the count ends: no storage freed from now on changes it
+            torch.UntypedStorage.resize_ = self.resize
+            for finalizer in self.finalizers:
+                finalizer.detach()
         return super().__exit__(*exc)

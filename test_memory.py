@@ -48,6 +48,13 @@ def test_storage_bytes_counts_what_is_alive():
         with memory.StorageBytes([x], inside_operators=inside_operators) as counter:
             plus_one(x)
         assert counter.peak == peak, inside_operators
+    resize = torch.UntypedStorage.resize_
+    with memory.StorageBytes([], inside_operators=True) as counter:  # counting inside an operator enters it again
+        before = torch.zeros(1000)  # 4,000, made before the operator's call
+        y = plus_one(torch.zeros(10))  # 40 in (freed after the call), a temporary of 40, 40 out
+        del before  # freed after the call: seen freed
+        assert counter.now == y.nbytes == 40
+    assert counter.peak == 4120 and torch.UntypedStorage.resize_ is resize
 
 
 def _measured_peaks(world_size, runs):
