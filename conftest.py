@@ -263,6 +263,30 @@ def attention_and_grads(q, k, v, grad_out, attn_fn=ulysses.causal_attention, **k
     return [out.detach(), q.grad, k.grad, v.grad]
 
 
+def attention_formula(q, k, v, grad_out, window=None, position_ids=None, sinks=None):
+    """One device, by the formula, in float64: causal attention of q [B, S, Hq, D] over k and v [B, S, Hkv, D]
+    (within the last `window` tokens; inside each document of position_ids [B, S]; with sinks [Hq], a logit per
+    query head that joins each query's softmax as one more score and adds no value, gpt-oss's attention sinks), and
+    the gradients for grad_out: [out, dq, dk, dv], and with sinks their gradient last."""
+    q, k, v = (t.detach().double().requires_grad_() for t in (q, k, v))
+    B, S, Hq, D = q.shape
+    i = torch.arange(S)
+    visible = (i[:, None] >= i) & ((i[:, None] - i < window) if window else True)  # (S, S)
+    if position_ids is not None:
+        document = (position_ids == 0).cumsum(1)  # (B, S)
+        visible = visible & (document[:, :, None] == document[:, None, :])  # (B, S, S)
+    G = Hq // k.shape[2]
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, k.repeat_interleave(G, dim=2)) * D ** -0.5  # (B, Hq, S, S)
+    scores = scores.masked_fill(~visible.view(-1, 1, S, S), float("-inf"))
+    inputs = [q, k, v]
+    if sinks is not None:
+        inputs.append(sinks.detach().double().requires_grad_())
+        scores = torch.cat([scores, inputs[-1].view(1, Hq, 1, 1).expand(B, Hq, S, 1)], dim=-1)  # (B, Hq, S, S + 1)
+    p = scores.softmax(-1)[..., :S]  # the sink's column dropped: it adds no value
+    out = torch.einsum("bhqk,bkhd->bqhd", p, v.repeat_interleave(G, dim=2))  # (B, S, Hq, D)
+    return [out.detach(), *torch.autograd.grad(out, inputs, grad_out.double())]
+
+
 def bytes_line(printed, what="all-to-all"):
     """From train.py's summary, the line of `what` ("all-to-all", "ring", "context-parallel Gated DeltaNet"):
     [bytes sent, the formula's bytes] and, where the line gives them, [calls forward, calls backward] per layer

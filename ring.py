@@ -47,6 +47,18 @@ Packed documents. A query sees the keys of its own document only. Documents star
 are 0, so each rank learns every token's document once (an all-gather of the position ids), and a block's keys
 that a query sees are still one run. A block may then be wholly visible, partly visible or invisible to a query.
 
+Attention sinks (gpt-oss). Each query head h has a learned logit s_h that joins every query's softmax as one more
+score, with no value: the denominator gains exp(s_h), and the output shrinks by the sink's share of it. To the
+merge the sink is one more block, with lse = s_h and output 0, so the ring folds it in once per query, after all
+the blocks (never once per block, which would count it R times):
+
+    out <- out * sigmoid(lse - s_h)      lse <- log(exp(lse) + exp(s_h))
+
+Backward needs nothing new for q, k and v: it already works from the final out and lse, and with the sink in the
+denominator delta = rowsum(dout * out) is still the softmax's correction. The sink's own gradient is
+d s_h = -sum over the queries of exp(s_h - lse) * delta: each rank sums its own queries', and the gradient
+reduction of training (a sum over the ranks) makes it whole.
+
 The attention over one block is a fused flash kernel that returns the log-sum-exp (PyTorch's on CPU; flash-attn's
 or PyTorch's on CUDA), with einsum tiles beside it as the readable reference, and for the blocks the fused kernel
 does not take (a sliding window's, and those a document starts or ends in).
@@ -74,17 +86,19 @@ aten = torch.ops.aten  # PyTorch's kernels, by name (test_kernels.py puts CPU st
 
 
 def ring_attention(q, k, v, group=None, layout=None, window=None, causal=True, scale=None, return_lse=False,
-                   fused=True, position_ids=None):
+                   fused=True, position_ids=None, sinks=None):
     """Attention over a sequence whose tokens are split over the R ranks of `group`, causal unless causal=False.
 
     q [B, L, Hq, D], k and v [B, L, Hkv, D] with Hq a multiple of Hkv: this rank's L tokens, laid out as
     `layout` says, which a ring of several ranks needs stated, as the tokens were sharded: "zigzag" (chunks r
     and 2R-1-r of 2R, what ulysses.shard_for_sp gives with a ring group) or "contiguous" (tokens [r*L, (r+1)*L)).
-    Returns [B, L, Hq, D], and with return_lse=True also the log-sum-exp of each query's scores [B, L, Hq] in
-    float32 (not differentiable). window: sliding-window attention over the last `window` tokens. scale: of the
-    scores, 1/sqrt(D) by default. position_ids [B, L] (packed documents): the global positions of this rank's
+    Returns [B, L, Hq, D], and with return_lse=True also the log-sum-exp of each query's scores (and its sink)
+    [B, L, Hq] in float32 (not differentiable). window: sliding-window attention over the last `window` tokens.
+    scale: of the scores, 1/sqrt(D) by default. position_ids [B, L] (packed documents): the global positions of this rank's
     tokens, as shard_for_sp gives them; a document starts where they are 0, and a query sees keys of its own
-    document only (one all-gather of them a call). fused=False computes every block with the einsum tiles (the
+    document only (one all-gather of them a call). sinks [Hq]: a learned logit per query head that joins each
+    query's softmax as a score with no value (gpt-oss's attention sinks), differentiable, merged in float32 (float64
+    for float64 inputs) whatever their dtype. fused=False computes every block with the einsum tiles (the
     reference) instead of the fused kernel that `block_kernel` picks for the device, dtype and head size. Ranks
     whose q, k or v differ in shape or dtype get one ValueError on every rank, naming each rank's value (one
     all-gather of 6 numbers a call). Differentiable, and traceable by
@@ -101,6 +115,8 @@ def ring_attention(q, k, v, group=None, layout=None, window=None, causal=True, s
     if k.shape != v.shape or q.shape[:2] != k.shape[:2] or q.shape[2] % k.shape[2]:
         raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}: want q [B, L, Hq, D] and k, v "
                          f"[B, L, Hkv, D] with Hq a multiple of Hkv")
+    if sinks is not None and sinks.shape != q.shape[2:3]:
+        raise ValueError(f"sinks {tuple(sinks.shape)}: want one logit per query head, [{q.shape[2]}]")
     if R > 1 and layout == "zigzag" and q.shape[1] % 2:
         raise ValueError(f"{q.shape[1]} tokens on this rank: zigzag holds two equal chunks, so an even number "
                          f"(shard_for_sp pads the sequence to a multiple of 2 x the SP size)")
@@ -109,22 +125,22 @@ def ring_attention(q, k, v, group=None, layout=None, window=None, causal=True, s
     layout = layout if R > 1 else "contiguous"
     documents = None if position_ids is None else document_ids(position_ids, group, layout)  # (B, S)
     kernel = block_kernel(q.device.type, q.dtype, q.shape[-1]) if fused else "tiles"
-    out, lse = _ring_forward(q, k, v, documents, "" if group is None else group.group_name, layout, window, causal,
-                             q.shape[-1] ** -0.5 if scale is None else scale, kernel)
+    out, lse = _ring_forward(q, k, v, sinks, documents, "" if group is None else group.group_name, layout, window,
+                             causal, q.shape[-1] ** -0.5 if scale is None else scale, kernel)
     return (out, lse.transpose(1, 2)) if return_lse else out  # lse (B, Hq, L) -> (B, L, Hq)
 
 
 # The ring of the opening docstring as two operators of their own (torch.library.custom_op), forward and backward,
 # so that torch.compile traces a model through it as one call (shapes and backward are registered at the end of
 # the file). The group travels by name. Inside, tensors are head-major, [B, heads, L, D], as the block kernels take
-# them: views of the [B, L, heads, D] inputs, no copies. documents [B, S]: each token's document in sequence order
-# (document_ids), or None.
+# them: views of the [B, L, heads, D] inputs, no copies. sinks [Hq], or None. documents [B, S]: each token's document
+# in sequence order (document_ids), or None.
 
 
 @torch.library.custom_op("ring::attention", mutates_args=())
-def _ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: torch.Tensor | None, group_name: str,
-                  layout: str, window: int | None, causal: bool, scale: float,
-                  kernel: str) -> tuple[torch.Tensor, torch.Tensor]:
+def _ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None,
+                  documents: torch.Tensor | None, group_name: str, layout: str, window: int | None, causal: bool,
+                  scale: float, kernel: str) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward passes key/value blocks around and merges: (out [B, L, Hq, D], lse [B, Hq, L])."""
     group = _group(group_name)
     R, r = size_and_rank(group)
@@ -148,15 +164,18 @@ def _ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: 
                     merge(out[batch, :, rows], lse[batch, :, rows], block_out, block_lse)
             if step < R - 1:
                 kv = arrived(*incoming)
+        if sinks is not None:  # one more block, once per query, after all the others: lse = the sink, output 0
+            merge(out, lse, 0.0, sinks.to(lse.dtype)[:, None])  # sinks (Hq,) -> (Hq, 1), against lse (B, Hq, L)
     return out.transpose(1, 2).to(q.dtype).contiguous(), lse  # (B, Hq, L, D) -> (B, L, Hq, D)
 
 
 @torch.library.custom_op("ring::attention_backward", mutates_args=())
 def _ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                   lse: torch.Tensor, documents: torch.Tensor | None, group_name: str, layout: str,
-                   window: int | None, causal: bool, scale: float,
-                   kernel: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Backward is a second ring that carries each block's dk and dv home: (dq, dk, dv) shaped as q, k, v."""
+                   lse: torch.Tensor, sinks: torch.Tensor | None, documents: torch.Tensor | None, group_name: str,
+                   layout: str, window: int | None, causal: bool, scale: float,
+                   kernel: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Backward is a second ring that carries each block's dk and dv home: (dq, dk, dv) shaped as q, k, v, and the
+    sinks' gradient [Hq] from my queries (empty without sinks)."""
     group = _group(group_name)
     R, r = size_and_rank(group)
     B, L, Hq, D = q.shape
@@ -166,6 +185,11 @@ def _ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     with torch.autocast(q.device.type, enabled=False):
         q, out, dout = (t.transpose(1, 2) for t in (q, out, dout))  # (B, L, Hq, D) -> (B, Hq, L, D), views
         wide = torch.promote_types(dtype, torch.float32)  # the accumulators: float32, or float64
+        dsinks = q.new_empty(0)
+        if sinks is not None:  # the sink adds no value, so only the softmax's correction reaches it
+            delta = (at_least_float32(dout) * at_least_float32(out)).sum(-1)  # (B, Hq, L)
+            p_sink = torch.exp(sinks.to(lse.dtype)[:, None] - lse)  # (B, Hq, L): each query's weight on its sink
+            dsinks = -(p_sink * delta).sum((0, 2)).to(sinks.dtype)  # (Hq,)
         dq = torch.zeros(q.shape, dtype=wide, device=q.device)  # (B, Hq, L, D)
         kv = torch.stack([k, v])  # (2, B, L, Hkv, D)
         for step in range(R):
@@ -187,7 +211,7 @@ def _ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
                 kv = arrived(*incoming)
         dk, dv = arrived(*accumulator).transpose(2, 3)  # my own block's, with every rank's term: (B, L, Hkv, D)
     dk, dv = (t.to(dtype).clone(memory_format=torch.contiguous_format) for t in (dk, dv))  # outputs own their memory
-    return dq.transpose(1, 2).to(dtype).contiguous(), dk, dv  # dq (B, Hq, L, D) -> (B, L, Hq, D)
+    return dq.transpose(1, 2).to(dtype).contiguous(), dk, dv, dsinks  # dq (B, Hq, L, D) -> (B, L, Hq, D)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -594,7 +618,7 @@ def _group(group_name):
 
 
 @_ring_forward.register_fake
-def _ring_forward_shapes(q, k, v, documents, group_name, layout, window, causal, scale, kernel):
+def _ring_forward_shapes(q, k, v, sinks, documents, group_name, layout, window, causal, scale, kernel):
     """Exactly what the operator returns, strides too (inductor checks them): new contiguous tensors, whatever the
     memory layout of q (seq_to_heads hands over head-major memory)."""
     B, L, Hq, _ = q.shape
@@ -602,19 +626,22 @@ def _ring_forward_shapes(q, k, v, documents, group_name, layout, window, causal,
 
 
 @_ring_backward.register_fake
-def _ring_backward_shapes(dout, q, k, v, out, lse, documents, group_name, layout, window, causal, scale, kernel):
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)  # contiguous, as the operator's
+def _ring_backward_shapes(dout, q, k, v, out, lse, sinks, documents, group_name, layout, window, causal, scale,
+                          kernel):
+    dsinks = q.new_empty(0) if sinks is None else sinks.new_empty(sinks.shape)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dsinks  # contiguous, as the operator's
 
 
 def _keep_ring(ctx, inputs, output):
-    q, k, v, documents, *ctx.options = inputs
-    ctx.save_for_backward(q, k, v, *output, documents)
+    q, k, v, sinks, documents, *ctx.options = inputs
+    ctx.save_for_backward(q, k, v, *output, sinks, documents)
     ctx.mark_non_differentiable(output[1])
 
 
 def _ring_gradients(ctx, dout, _):
-    q, k, v, out, lse, documents = ctx.saved_tensors
-    return *_ring_backward(dout, q, k, v, out, lse, documents, *ctx.options), None, None, None, None, None, None, None
+    q, k, v, out, lse, sinks, documents = ctx.saved_tensors
+    dq, dk, dv, dsinks = _ring_backward(dout, q, k, v, out, lse, sinks, documents, *ctx.options)
+    return dq, dk, dv, None if sinks is None else dsinks, None, *[None] * len(ctx.options)
 
 
 _ring_forward.register_autograd(_ring_gradients, setup_context=_keep_ring)

@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 import ring
 import ulysses
-from conftest import assert_all_close, qkv, run_ranks, usp_groups
+from conftest import assert_all_close, attention_formula, my_tokens, qkv, run_ranks, usp_groups, whole_sequence
 
 
 RING_CASES = [("zigzag", torch.float64, None, True), ("contiguous", torch.float64, None, True),
@@ -282,3 +282,80 @@ def test_ring_keeps_one_softmax_precision_at_large_scores():
         for name, ours, theirs, truth in zip(("out", "dq", "dk", "dv"), got, one, exact):
             ring_error, one_error = (ours - truth).abs().max(), (theirs.double() - truth).abs().max()
             assert ring_error <= 3 * one_error, (fused, name, ring_error.item(), one_error.item())
+
+
+# ================================================================================================================
+# attention sinks: a logit per query head in each query's softmax, once per query however the ranks split it
+
+SINK_HEADS = {2: (3, 1), 3: (8, 2), 4: (6, 2)}  # P: (query heads, kv heads), split unevenly over P Ulysses ranks
+SINK_CASES = [  # (attention, dtype, window, packed, fused); "usp" on 4 ranks alone (Ulysses 2 x ring 2)
+    ("ring zigzag", torch.float64, None, False, True), ("ring contiguous", torch.float32, None, False, False),
+    ("ring zigzag", torch.float64, 3, True, False), ("ring zigzag", torch.float32, None, True, True),
+    ("ring zigzag", torch.bfloat16, 3, False, True), ("ring compiled", torch.float32, None, False, True),
+    ("ulysses", torch.float64, None, False, True), ("ulysses", torch.float32, 3, True, False),
+    ("ulysses", torch.bfloat16, None, True, True), ("usp", torch.float64, 5, True, True),
+    ("usp", torch.float32, None, False, False)]
+
+
+def sink_logits(Hq, dtype):
+    """Fixed sink logits [Hq], from -3 to 3: from nearly no share of a softmax to most of an early query's."""
+    return torch.linspace(-3, 3, Hq, dtype=torch.float64 if dtype == torch.float64 else torch.float32)
+
+
+def _sinks_rank(rank, P, cases):
+    ring.QUERY_TILE = 5  # several query tiles a block
+    Hq, Hkv = SINK_HEADS[P]
+    world = dist.group.WORLD
+    ulysses_group, ring_group = usp_groups(2, 2) if P == 4 else (None, None)
+    results = []
+    for attention, dtype, window, packed, fused in cases:
+        if attention.startswith("ring"):
+            layout = attention.split()[1] if attention != "ring compiled" else "zigzag"
+            index = ring.token_index(layout, rank, P, 24 // P)
+            attend = partial(ring.ring_attention, group=world, layout=layout, window=window, fused=fused,
+                             position_ids=PACKED_POSITIONS[:, index] if packed else None)
+            if attention == "ring compiled":
+                attend = torch.compile(attend, backend="aot_eager", fullgraph=True)
+        elif attention == "ulysses":  # ring attention of one rank as the kernel, on this rank's heads
+            index = my_tokens(24, world)
+            attend = partial(ulysses.ulysses_attention, group=world, attn_fn=partial(
+                ring.ring_attention, window=window, fused=fused, position_ids=PACKED_POSITIONS if packed else None))
+        else:
+            index = my_tokens(24, ulysses_group, ring_group)
+            positions = ulysses.gather_sequence(PACKED_POSITIONS[:, index], ulysses_group)  # my ring rank's
+            attend = partial(ulysses.ulysses_attention, group=ulysses_group, attn_fn=partial(
+                ring.ring_attention, group=ring_group, layout="zigzag", window=window, fused=fused,
+                position_ids=positions if packed else None))
+        q, k, v, grad_out = (t.to(dtype)[:, index].requires_grad_() for t in qkv(2, 24, Hq, Hkv, 8))
+        sinks = sink_logits(Hq, dtype).requires_grad_()
+        out = attend(q, k, v, sinks=sinks)
+        out.backward(grad_out)
+        results.append((index, [out.detach(), q.grad, k.grad, v.grad], sinks.grad))
+    return results
+
+
+@pytest.mark.parametrize("P", [2, 3, 4])
+def test_sinks_match_one_device(P):
+    """Attention sinks, output and the gradients of q, k, v and the sink logits against one device's formula (a
+    softmax over the scores and the sink, the sink's column dropped): ring attention on P ranks (both layouts,
+    a sliding window, packed documents, the fused kernel and the einsum tiles, compiled), ulysses_attention on P
+    ranks with ring attention of one rank as its kernel (uneven heads: 3 on 2 kv heads over 2 ranks, 8 on 2 over 3,
+    6 on 2 over 4), and USP on 4 (Ulysses 2 x ring 2); float64 within 1e-12, float32 within 1e-5, bf16 within its
+    rounding of the largest value, as test_kernels.py holds it (Ulysses sends a kv head's gradient back from several
+    ranks, each part rounded to bf16, and adds them: without sinks too, 3 elements of 768 miss 2^-7 of their own
+    size on 3 ranks). Each rank's sink gradient holds its own queries' (a ring) or heads' (Ulysses) share, and
+    their sum is one device's. A sink merged at every block instead of once after the last, or the sinks of another rank's heads,
+    fail here."""
+    cases = [case for case in SINK_CASES if case[0] != "usp" or P == 4]
+    per_rank = run_ranks(P, _sinks_rank, cases)
+    for i, (attention, dtype, window, packed, fused) in enumerate(cases):
+        Hq, Hkv = SINK_HEADS[P]
+        q, k, v, grad_out = (t.to(dtype) for t in qkv(2, 24, Hq, Hkv, 8))
+        want = attention_formula(q, k, v, grad_out, window, PACKED_POSITIONS if packed else None,
+                                 sink_logits(Hq, dtype))
+        indices = [r[i][0] for r in per_rank]
+        got = [whole_sequence([r[i][1][j] for r in per_rank], indices).double() for j in range(4)]
+        got.append(sum(r[i][2] for r in per_rank).double())
+        scale = max(t.abs().max().item() for t in want) if dtype == torch.bfloat16 else 1
+        assert_all_close(got, want, TOLERANCE[dtype], TOLERANCE[dtype] * scale,
+                         where=f"P={P} {attention} {dtype} window={window} packed={packed} fused={fused}")

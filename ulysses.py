@@ -112,7 +112,7 @@ def _one_tensor_exchange(x, group, scatter_dim, gather_dim, direction):
 # rule 3: attention over the full sequence
 
 
-def ulysses_attention(q, k, v, group=None, attn_fn=None, check=True, **attn_kwargs):
+def ulysses_attention(q, k, v, group=None, attn_fn=None, check=True, sinks=None, **attn_kwargs):
     """Attention over the full sequence when each rank holds S/P tokens.
 
     q [B, S/P, Hq, D], k and v [B, S/P, Hkv, D] -> [B, S/P, Hq, D]. attn_fn(q, k, v, **attn_kwargs) sees the
@@ -124,17 +124,25 @@ def ulysses_attention(q, k, v, group=None, attn_fn=None, check=True, **attn_kwar
     Ring. group=None or a group of one rank runs attn_fn directly. q, k and v travel in one all-to-all (the
     exchange of the previous section, generalized below) and the output in one more; backward the same.
     check: first make sure every rank passes the same shapes and dtype (`check_inputs`; off while compiling).
+    sinks [Hq]: attention sinks, a learned logit per query head (gpt-oss); attn_fn gets those of this rank's query
+    heads as sinks=..., so it must take them (ring.ring_attention does, with group=None alone), and their gradient
+    holds this rank's heads only, to be summed over the ranks as every gradient is (rule 4).
     """
+    if sinks is not None and (attn_fn is None or sinks.shape != q.shape[2:3]):
+        raise ValueError(f"ulysses_attention: sinks {tuple(sinks.shape)} need one logit per query head, "
+                         f"[{q.shape[2]}], and an attn_fn that takes sinks=, e.g. ring.ring_attention")
     attn_fn = attn_fn or causal_attention
     P, rank = size_and_rank(group)
     if P == 1:
-        return attn_fn(q, k, v, **attn_kwargs)
+        return attn_fn(q, k, v, **attn_kwargs) if sinks is None else attn_fn(q, k, v, sinks=sinks, **attn_kwargs)
     if check and not torch.compiler.is_compiling():
         check_inputs(q, k, v, group)
     # operator.index: plain ints even when torch.compile makes sizes symbolic (dynamic=True), so that the head
     # layout is fixed in the graph (one graph per head count) and only the sequence length stays symbolic
     n_head, n_kv_head = operator.index(q.shape[2]), operator.index(k.shape[2])
     query_heads, kv_heads = head_layout(n_head, n_kv_head, P)
+    if sinks is not None:  # my kernel gets the sinks of the query heads I hold
+        attn_kwargs["sinks"] = sinks[query_heads[rank].start:query_heads[rank].stop]  # (Hq,) -> (hq,)
     q, k, v = seq_to_heads((q, k, v), group, (query_heads, kv_heads, kv_heads))  # (B, S, hq, D), (B, S, hkv, D) x2
     uses = kernel_kv_heads(n_head, n_kv_head, P, rank)
     if len(uses) > len(kv_heads[rank]):  # one kv head per query head, by indexing, in head-major memory
