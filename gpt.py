@@ -36,6 +36,7 @@ class GPTConfig:
     n_kv_head: int = 4  # < n_head: grouped-query attention; 1: multi-query attention
     n_embd: int = 128
     window: int = 0  # > 0: sliding-window attention over the last `window` tokens; 0: full causal attention
+    sinks: bool = False  # attention sinks (gpt-oss): a learned logit per query head joins each query's softmax
     rope_base: float = 10000.0
     layer_pattern: str = "a"  # layer i is layer_pattern[i % len]: a = softmax attention, d = Gated DeltaNet
     conv_width: int = 4  # Gated DeltaNet's causal convolution over the sequence
@@ -96,6 +97,8 @@ class Attention(nn.Module):
         self.n_head, self.n_kv_head, self.head_dim = cfg.n_head, cfg.n_kv_head, cfg.n_embd // cfg.n_head
         self.qkv = nn.Linear(cfg.n_embd, (cfg.n_head + 2 * cfg.n_kv_head) * self.head_dim, bias=False)
         self.proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=False)
+        # a score with no value in every query's softmax, one per head (ring.py says how it stays exact under SP)
+        self.sinks = nn.Parameter(torch.zeros(cfg.n_head)) if cfg.sinks else None
         self.sp_group = sp_group
 
     def forward(self, x, cos, sin, attend):
@@ -103,7 +106,7 @@ class Attention(nn.Module):
         qkv = self.qkv(x).view(B, S_local, -1, self.head_dim)  # (B, S_local, n_head + 2*n_kv_head, D)
         q, k, v = qkv.split([self.n_head, self.n_kv_head, self.n_kv_head], 2)  # (B, S_local, heads, D) each
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # rotated by their global positions
-        y = ulysses_attention(q, k, v, self.sp_group, attend)  # (B, S_local, n_head, D)
+        y = ulysses_attention(q, k, v, self.sp_group, attend, sinks=self.sinks)  # (B, S_local, n_head, D)
         return self.proj(y.reshape(B, S_local, -1))  # (B, S_local, h)
 
     def all_to_all_bytes(self, tokens, element_bytes):
@@ -228,7 +231,8 @@ class GPT(nn.Module):
         full_positions = gather_sequence(position_ids, self.sp_group) if packed else None
         ring = partial(ring_attention, group=self.ring_group, layout="zigzag", window=window or None,  # shard_for_sp's
                        position_ids=full_positions)  # with a ring: the positions of my ring rank's tokens
-        attend = {"a": ring if self.ring_group else
+        # the ring's kernel takes attention sinks, SDPA's and flash-attn's do not: with sinks, a ring of one rank
+        attend = {"a": ring if self.ring_group or self.cfg.sinks else
                   partial(document_attention, position_ids=full_positions, window=window) if packed else
                   partial(sliding_window_attention, window=window) if window else causal_attention,
                   "d": partial(gated_delta_net, starts=None if not packed else  # context: its own tokens' starts

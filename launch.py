@@ -46,7 +46,7 @@ from gpt import GPTConfig
 
 WEEK = 7 * 24 * 3600
 MODEL_FIELDS = ("n_layer", "n_head", "n_kv_head", "n_embd", "window", "layer_pattern", "gdn_k_heads", "gdn_v_heads",
-                "gdn_k_dim", "gdn_v_dim")  # what shapes the model
+                "gdn_k_dim", "gdn_v_dim", "sinks")  # what shapes the model
 
 
 class Mistake(Exception):
@@ -139,6 +139,8 @@ def parse_args(argv=None):
     p.add_argument("--n-kv-head", type=int, help="key/value heads (default: n_head)")
     p.add_argument("--n-embd", type=int, default=128, help="hidden size")
     p.add_argument("--window", type=int, default=0, help="sliding-window attention over this many tokens (0: full)")
+    p.add_argument("--sinks", action="store_true", help="attention sinks (gpt-oss): a learned logit per query head "
+                   "joins each query's softmax; attention then runs in ring.py's kernel, with or without --ring")
     p.add_argument("--layer-pattern", default="a", help="each layer's kind, repeated over the layers: a = softmax "
                    "attention, d = Gated DeltaNet (linear attention); e.g. ddda")
     for part, what in (("k-heads", "key heads (q, k)"), ("v-heads", "value heads (v, the state; a multiple of the key "
