@@ -245,12 +245,14 @@ def summed(per_rank):
 
 def whole_sequence(parts, indices=None):
     """The full [B, S, ...] tensor from each rank's [B, S/P, ...] part: in rank order, or each part at its rank's
-    token indices (a ring's zigzag order; my_tokens)."""
+    token indices, [S/P] (a ring's zigzag order; my_tokens) or [B, S/P] (each row its own: shard_for_sp's
+    token_index with balance="documents")."""
     if indices is None:
         return torch.cat(parts, dim=1)
-    full = parts[0].new_zeros(parts[0].shape[0], sum(len(index) for index in indices), *parts[0].shape[2:])
+    B = parts[0].shape[0]
+    full = parts[0].new_zeros(B, sum(index.shape[-1] for index in indices), *parts[0].shape[2:])
     for index, part in zip(indices, parts):
-        full[:, index] = part
+        full[torch.arange(B)[:, None], index.expand(B, -1)] = part
     return full
 
 

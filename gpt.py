@@ -218,9 +218,11 @@ class GPT(nn.Module):
         """The pieces that ZeRO-3 gathers one at a time, in forward order."""
         return [self.embed, *self.blocks, self.head]
 
-    def forward(self, idx, position_ids, labels=None, packed=False):
+    def forward(self, idx, position_ids, labels=None, packed=False, token_index=None):
         """idx, position_ids, labels: [B, S_local], this rank's tokens. position_ids are positions in the full
-        sequence, or, with packed=True, in each document (0 where a document starts, and only there)."""
+        sequence, or, with packed=True, in each document (0 where a document starts, and only there).
+        token_index [B, S_local]: where each token sits in the full sequence, as shard_for_sp returns it; with
+        packed documents the ring takes it as its layout (zigzag or per document), else zigzag is assumed."""
         if position_ids.shape != idx.shape:  # RoPE would broadcast one against the other, or fail far from here
             raise ValueError(f"GPT.forward: idx {tuple(idx.shape)}, position_ids {tuple(position_ids.shape)}: want "
                              f"position_ids of idx's shape, [B, S_local]")
@@ -229,7 +231,8 @@ class GPT(nn.Module):
         window = self.cfg.window
         # the kernels run on the full sequence, so with packing they need the document starts of the full sequence
         full_positions = gather_sequence(position_ids, self.sp_group) if packed else None
-        ring = partial(ring_attention, group=self.ring_group, layout="zigzag", window=window or None,  # shard_for_sp's
+        layout = gather_sequence(token_index, self.sp_group) if packed and token_index is not None else "zigzag"
+        ring = partial(ring_attention, group=self.ring_group, layout=layout, window=window or None,  # shard_for_sp's
                        position_ids=full_positions)  # with a ring: the positions of my ring rank's tokens
         # the ring's kernel takes attention sinks, SDPA's and flash-attn's do not: with sinks, a ring of one rank
         attend = {"a": ring if self.ring_group or self.cfg.sinks else

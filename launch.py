@@ -154,6 +154,9 @@ def parse_args(argv=None):
     p.add_argument("--data", help="a text file to train on, as bytes (default: the copy task)")
     p.add_argument("--pack", action="store_true", help="several documents in each sequence (text: its paragraphs; "
                    "copy task: documents of random lengths); attention stays inside each document")
+    p.add_argument("--balance", choices=["zigzag", "documents"], help="how a ring's ranks share the tokens: zigzag "
+                   "balances one sequence's causal work, documents each packed document's (default: documents with "
+                   "--pack and no Gated DeltaNet layers, else zigzag)")
     p.add_argument("--zero", choices=["0", "3", "fsdp2"], help="3: zero3.py shards params, grads and AdamW state "
                    "over all ranks (the default with more than one); 0: no sharding; fsdp2: PyTorch's fully_shard")
     p.add_argument("--tiles", type=int, default=1, help="run the MLP and the loss over this many sequence tiles")
@@ -189,6 +192,7 @@ def check_args(args, world_size):
     args.n_layer = max(2, len(args.layer_pattern)) if args.n_layer is None else args.n_layer
     args.lr = (5e-4 if "d" in args.layer_pattern else 1e-3) if args.lr is None else args.lr
     args.warmup = max(1, args.steps // 10) if args.warmup is None else args.warmup
+    args.balance = args.balance or ("documents" if args.pack and "d" not in args.layer_pattern else "zigzag")
     zero_means_default = ("window", "warmup", "save_every", "keep", "gdn_k_heads", "gdn_v_heads", "gdn_k_dim",
                           "gdn_v_dim")
     for name in ("seq_len", "batch_size", "grad_accum", "steps", "n_layer", "n_head", "n_kv_head", "n_embd", "tiles",
@@ -233,6 +237,9 @@ def check_args(args, world_size):
         fail(f"--sp {args.sp} is larger than the {cfg.gdn_v_heads} value heads of a Gated DeltaNet layer: a rank would "
              f"hold none; choose --sp in {{{', '.join(str(p) for p in range(1, cfg.gdn_v_heads + 1))}}} or more "
              f"--gdn-v-heads, or --gdn-parallel context")
+    if args.balance == "documents" and not (args.pack and "d" not in args.layer_pattern):
+        fail("--balance documents shares each packed document's work over a ring's ranks: it needs --pack, and no "
+             "Gated DeltaNet layers (their context-parallel state runs in the zigzag order); use --balance zigzag")
     if args.offload and not args.recompute:
         fail("--offload keeps the block inputs that --recompute saves in CPU memory; add --recompute")
     if args.device == "cuda" and not torch.cuda.is_available() and args.plan is None:

@@ -59,6 +59,18 @@ denominator delta = rowsum(dout * out) is still the softmax's correction. The si
 d s_h = -sum over the queries of exp(s_h - lse) * delta: each rank sums its own queries', and the gradient
 reduction of training (a sum over the ranks) makes it whole.
 
+Per-document balance. Zigzag balances the causal work of ONE sequence. With packed documents the work is each
+document's own triangle, so a rank that holds the tail of a long document does much more than one that holds
+short ones. `document_layout` cuts each document as zigzag cuts a sequence instead: 2R chunks, rank r taking
+chunks r and 2R-1-r of every document, and deals the few tokens left over one at a time to the least busy rank.
+A rank then holds any rising set of positions, not two chunks: shard_for_sp returns the position of each of its
+tokens (token_index), and ring_attention takes them as the layout. Nothing else changes, because the keys a query
+sees in a block are still one run of the block's positions (`key_ranges`).
+
+    document    0 0 0 0 0 0 0 0 0 0 0 0 1 1 1 1     R = 2; the rank that holds each token, and its work:
+    zigzag      0 0 0 0 1 1 1 1 1 1 1 1 0 0 0 0     20 and 68 query-key pairs (`document_work` counts them)
+    documents   0 0 0 1 1 1 1 1 1 0 0 0 0 1 1 0     44 and 44: each rank an early and a late chunk of each
+
 The attention over one block is a fused flash kernel that returns the log-sum-exp (PyTorch's on CPU; flash-attn's
 or PyTorch's on CUDA), with einsum tiles beside it as the readable reference, and for the blocks the fused kernel
 does not take (a sliding window's, and those a document starts or ends in).
@@ -91,7 +103,9 @@ def ring_attention(q, k, v, group=None, layout=None, window=None, causal=True, s
 
     q [B, L, Hq, D], k and v [B, L, Hkv, D] with Hq a multiple of Hkv: this rank's L tokens, laid out as
     `layout` says, which a ring of several ranks needs stated, as the tokens were sharded: "zigzag" (chunks r
-    and 2R-1-r of 2R, what ulysses.shard_for_sp gives with a ring group) or "contiguous" (tokens [r*L, (r+1)*L)).
+    and 2R-1-r of 2R, what ulysses.shard_for_sp gives with a ring group) or "contiguous" (tokens [r*L, (r+1)*L)),
+    or, with position_ids, a [B, L] tensor of the global position of each of my tokens, rising along each row (the
+    token_index shard_for_sp returns, e.g. for document_layout; one more all-gather of B*L integers a call).
     Returns [B, L, Hq, D], and with return_lse=True also the log-sum-exp of each query's scores (and its sink)
     [B, L, Hq] in float32 (not differentiable). window: sliding-window attention over the last `window` tokens.
     scale: of the scores, 1/sqrt(D) by default. position_ids [B, L] (packed documents): the global positions of this rank's
@@ -107,9 +121,13 @@ def ring_attention(q, k, v, group=None, layout=None, window=None, causal=True, s
     group=None or a group of one rank: attention over this rank's tokens alone.
     """
     R = size_and_rank(group)[0]
-    if R > 1 and layout not in ("zigzag", "contiguous"):
+    named = not torch.is_tensor(layout)  # a layout by name, or each token's position
+    if R > 1 and named and layout not in ("zigzag", "contiguous"):
         raise ValueError(f"layout={layout!r}: a ring of {R} ranks needs the layout its tokens were sharded in, "
                          f"'zigzag' (ulysses.shard_for_sp with a ring group) or 'contiguous'")
+    if not named and (layout.shape != q.shape[:2] or position_ids is None):
+        raise ValueError(f"layout {tuple(layout.shape)}: a layout given as positions is [B, L], one for each of my "
+                         f"tokens, as shard_for_sp returns them for packed documents, with their position_ids")
     if window and not causal:
         raise ValueError("a sliding window looks back from each query: use it with causal=True")
     if k.shape != v.shape or q.shape[:2] != k.shape[:2] or q.shape[2] % k.shape[2]:
@@ -117,16 +135,17 @@ def ring_attention(q, k, v, group=None, layout=None, window=None, causal=True, s
                          f"[B, L, Hkv, D] with Hq a multiple of Hkv")
     if sinks is not None and sinks.shape != q.shape[2:3]:
         raise ValueError(f"sinks {tuple(sinks.shape)}: want one logit per query head, [{q.shape[2]}]")
-    if R > 1 and layout == "zigzag" and q.shape[1] % 2:
+    if R > 1 and named and layout == "zigzag" and q.shape[1] % 2:
         raise ValueError(f"{q.shape[1]} tokens on this rank: zigzag holds two equal chunks, so an even number "
                          f"(shard_for_sp pads the sequence to a multiple of 2 x the SP size)")
     if R > 1 and not torch.compiler.is_compiling():
         check_same_inputs(q, k, group)
-    layout = layout if R > 1 else "contiguous"
-    documents = None if position_ids is None else document_ids(position_ids, group, layout)  # (B, S)
+    indices = None if named or R == 1 else gather_ring(layout, group)  # (R, B, L): every rank's positions
+    layout = "given" if indices is not None else layout if R > 1 else "contiguous"
+    documents = None if position_ids is None else document_ids(position_ids, group, layout, indices)  # (B, S)
     kernel = block_kernel(q.device.type, q.dtype, q.shape[-1]) if fused else "tiles"
-    out, lse = _ring_forward(q, k, v, sinks, documents, "" if group is None else group.group_name, layout, window,
-                             causal, q.shape[-1] ** -0.5 if scale is None else scale, kernel)
+    out, lse = _ring_forward(q, k, v, sinks, documents, indices, "" if group is None else group.group_name, layout,
+                             window, causal, q.shape[-1] ** -0.5 if scale is None else scale, kernel)
     return (out, lse.transpose(1, 2)) if return_lse else out  # lse (B, Hq, L) -> (B, L, Hq)
 
 
@@ -134,19 +153,19 @@ def ring_attention(q, k, v, group=None, layout=None, window=None, causal=True, s
 # so that torch.compile traces a model through it as one call (shapes and backward are registered at the end of
 # the file). The group travels by name. Inside, tensors are head-major, [B, heads, L, D], as the block kernels take
 # them: views of the [B, L, heads, D] inputs, no copies. sinks [Hq], or None. documents [B, S]: each token's document
-# in sequence order (document_ids), or None.
+# in sequence order (document_ids), or None. indices [R, B, L]: each ring rank's positions, for layout "given".
 
 
 @torch.library.custom_op("ring::attention", mutates_args=())
 def _ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None,
-                  documents: torch.Tensor | None, group_name: str, layout: str, window: int | None, causal: bool,
-                  scale: float, kernel: str) -> tuple[torch.Tensor, torch.Tensor]:
+                  documents: torch.Tensor | None, indices: torch.Tensor | None, group_name: str, layout: str,
+                  window: int | None, causal: bool, scale: float, kernel: str) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward passes key/value blocks around and merges: (out [B, L, Hq, D], lse [B, Hq, L])."""
     group = _group(group_name)
     R, r = size_and_rank(group)
     B, L, Hq, D = q.shape
     mask = Mask(layout, window, causal, scale)
-    mine = token_index(layout, r, R, L)
+    mine = held(layout, indices, r, R, L)  # (L,) or (B, L)
     with torch.autocast(q.device.type, enabled=False):  # the merge in float32 (or float64), whatever autocast
         q_heads = q.transpose(1, 2)  # (B, L, Hq, D) -> (B, Hq, L, D), a view; each kernel widens what it must
         wide = torch.promote_types(q.dtype, torch.float32)
@@ -156,7 +175,7 @@ def _ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torc
         for step in range(R):  # at step s this rank holds the block of rank r - s
             if step < R - 1:
                 incoming = pass_on(kv, group, "forward")  # sent while this block is computed on
-            for batch, rows, _, lo, hi, block_k, block_v in _blocks(mine, mask, (r - step) % R, R, kv, documents):
+            for batch, rows, _, lo, hi, block_k, block_v in _blocks(mine, mask, (r - step) % R, R, kv, documents, indices):
                 block_out, block_lse = block_attention(q_heads[batch, :, rows], block_k, block_v, lo, hi, scale, kernel)
                 if step == 0:  # my own block: every query sees itself, so every row is filled here
                     out[batch, :, rows], lse[batch, :, rows] = block_out, block_lse
@@ -171,9 +190,9 @@ def _ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torc
 
 @torch.library.custom_op("ring::attention_backward", mutates_args=())
 def _ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                   lse: torch.Tensor, sinks: torch.Tensor | None, documents: torch.Tensor | None, group_name: str,
-                   layout: str, window: int | None, causal: bool, scale: float,
-                   kernel: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                   lse: torch.Tensor, sinks: torch.Tensor | None, documents: torch.Tensor | None,
+                   indices: torch.Tensor | None, group_name: str, layout: str, window: int | None, causal: bool,
+                   scale: float, kernel: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Backward is a second ring that carries each block's dk and dv home: (dq, dk, dv) shaped as q, k, v, and the
     sinks' gradient [Hq] from my queries (empty without sinks)."""
     group = _group(group_name)
@@ -181,7 +200,7 @@ def _ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     B, L, Hq, D = q.shape
     Hkv, dtype = k.shape[2], q.dtype
     mask = Mask(layout, window, causal, scale)
-    mine = token_index(layout, r, R, L)
+    mine = held(layout, indices, r, R, L)  # (L,) or (B, L)
     with torch.autocast(q.device.type, enabled=False):
         q, out, dout = (t.transpose(1, 2) for t in (q, out, dout))  # (B, L, Hq, D) -> (B, Hq, L, D), views
         wide = torch.promote_types(dtype, torch.float32)  # the accumulators: float32, or float64
@@ -196,7 +215,7 @@ def _ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
             if step < R - 1:
                 incoming = pass_on(kv, group, "backward")
             dkv = dq.new_zeros(2, B, Hkv, L, D)  # this step's share of the block's dk and dv, a new buffer
-            for batch, rows, cols, lo, hi, block_k, block_v in _blocks(mine, mask, (r - step) % R, R, kv, documents):
+            for batch, rows, cols, lo, hi, block_k, block_v in _blocks(mine, mask, (r - step) % R, R, kv, documents, indices):
                 block_dq, block_dk, block_dv = block_gradients(
                     q[batch, :, rows], block_k, block_v, out[batch, :, rows], lse[batch, :, rows],
                     dout[batch, :, rows], lo, hi, scale, kernel)
@@ -236,17 +255,19 @@ def arrived(received, works):
     return received
 
 
-def _blocks(mine, mask, rank, R, kv, documents):
-    """What my queries need of the key/value block of ring rank `rank`, held in kv [2, B, L, Hkv, D]: a list of
-    (batch: a slice of the batch's rows; rows, cols: the cut, as slices; the rows' (lo, hi) within cols; the keys
-    and values of cols, head-major views in the input dtype), empty if my queries see none of it. Every row of
-    the batch sees the same keys, unless documents are packed: then each row has its own cut."""
-    theirs = token_index(mask.layout, rank, R, kv.shape[2])
+def _blocks(mine, mask, rank, R, kv, documents, indices):
+    """What my queries (at positions `mine`) need of the key/value block of ring rank `rank`, held in kv
+    [2, B, L, Hkv, D]: a list of (batch: a slice of the batch's rows; rows, cols: the cut, as slices; the rows'
+    (lo, hi) within cols; the keys and values of cols, head-major views in the input dtype), empty if my queries
+    see none of it. Every row of the batch sees the same keys, unless documents are packed: then each row has its
+    own cut (and, with a layout given per row, its own positions)."""
+    theirs = held(mask.layout, indices, rank, R, kv.shape[2])  # (L,) or (B, L)
     if documents is None:
         ranges = [(slice(None), key_ranges(mine, theirs, mask.window, mask.causal))]
     else:
-        ranges = [(slice(b, b + 1), key_ranges(mine, theirs, mask.window, mask.causal, row[mine], row[theirs]))
-                  for b, row in enumerate(documents)]
+        mine, theirs = (t.expand(len(documents), -1) for t in (mine, theirs))  # (B, L) each: every row's own
+        ranges = [(slice(b, b + 1), key_ranges(mine[b], theirs[b], mask.window, mask.causal, row[mine[b]],
+                                               row[theirs[b]])) for b, row in enumerate(documents)]
     blocks = []
     for batch, (lo, hi) in ranges:
         if (part := cut(lo, hi)) is None:
@@ -515,6 +536,59 @@ def token_index(layout, rank, R, L):
     return torch.cat([torch.arange(rank * C, (rank + 1) * C), torch.arange((2 * R - 1 - rank) * C, (2 * R - rank) * C)])
 
 
+def held(layout, indices, rank, R, L):
+    """The positions of ring rank `rank`'s L tokens: token_index's [L] for a layout by name, or, for "given",
+    indices[rank], [B, L] (each row its own)."""
+    return indices[rank] if layout == "given" else token_index(layout, rank, R, L)
+
+
+def document_layout(position_ids, R):
+    """Per-document balance: each row of position_ids [B, S] (0 where a document starts, S a multiple of 2R)
+    dealt to the R ranks of a ring, S/R tokens each, so that each rank does about 1/R of every document's causal
+    work. Returns [B, R, S/R]: the positions each rank holds, rising (shard_for_sp gathers its tokens by them).
+
+    Each piece of a row between document starts (the first may be a document's end, carried over from the row
+    before) of n tokens is cut as zigzag cuts a sequence: 2R chunks of n // 2R tokens from its two ends, rank r
+    taking chunks r and 2R-1-r, an early one (queries that see few keys) and a late one (many). The fewer than 2R
+    tokens left in its middle (all of a piece shorter than 2R) go, heaviest first, to the rank with the least work
+    so far that has room. Work: the query-key pairs of causal attention (`keys_seen`)."""
+    B, S = position_ids.shape
+    L = S // R
+    layout = torch.empty(B, R, L, dtype=torch.long)
+    for b, positions in enumerate(position_ids.cpu()):
+        seen = keys_seen(positions)  # (S,)
+        starts = [*(seen == 1).nonzero().flatten().tolist(), S]
+        taken, middle = [[] for _ in range(R)], []
+        for start, end in zip(starts, starts[1:]):
+            c = (end - start) // (2 * R)  # chunk length
+            for r in range(R):  # chunk r from the front, chunk 2R-1-r from the back
+                taken[r] += [*range(start + r * c, start + (r + 1) * c), *range(end - (r + 1) * c, end - r * c)]
+            middle += range(start + R * c, end - R * c)
+        work = [seen[t].sum().item() for t in taken]
+        for token in sorted(middle, key=lambda t: -seen[t].item()):  # heaviest first
+            r = min((r for r in range(R) if len(taken[r]) < L), key=lambda r: work[r])
+            taken[r].append(token)
+            work[r] += seen[token].item()
+        layout[b] = torch.tensor(taken).sort(1).values  # (R, L)
+    return layout
+
+
+def keys_seen(positions):
+    """positions [S] of one row (0 where a document starts) -> [S]: how many keys each token sees under causal
+    attention, itself and those before it in its document within the row."""
+    i = torch.arange(len(positions))
+    start = torch.where(positions.cpu() == 0, i, 0).cummax(0).values  # (S,): where each token's piece starts
+    return i - start + 1
+
+
+def document_work(position_ids, layout):
+    """Causal attention work per ring rank with packed documents: the query-key pairs its queries see, summed over
+    the rows. position_ids [B, S]; layout [B, R, L], the positions each rank holds (document_layout's, or
+    token_index's stacked). A list of R numbers."""
+    seen = torch.stack([keys_seen(row) for row in position_ids])  # (B, S)
+    return seen.gather(1, layout.flatten(1)).view(layout.shape).sum((0, 2)).tolist()
+
+
 def key_ranges(q_index, k_index, window=None, causal=True, q_documents=None, k_documents=None):
     """Which keys each query may see: causal (else all of them), within the last `window` tokens if given, and of
     its own document if the tokens' documents are given ([Lq] and [Lk], rising like the positions). Positions in
@@ -589,19 +663,24 @@ def check_same_inputs(q, k, group):
                              f"the same number of tokens of the same batch (shard_for_sp cuts them so)")
 
 
-def document_ids(position_ids, group, layout):
+def gather_ring(x, group):
+    """x [B, L] of every rank of the ring, on the CPU: [R, B, L]. One all-gather (B*S integers, never a mask)."""
+    R, x = size_and_rank(group)[0], x.contiguous()
+    every = [torch.empty_like(x) for _ in range(R)] if R > 1 else [x]  # (B, L) of each ring rank
+    if R > 1:
+        dist.all_gather(every, x, group=group)
+    return torch.stack(every).cpu()  # (R, B, L)
+
+
+def document_ids(position_ids, group, layout, indices=None):
     """position_ids [B, L] of this rank's tokens -> the document of every token of the ring's sequence [B, S], in
     sequence order, on the CPU: 0, 1, 2, ... counting the places where positions are 0. One all-gather of the ring's
-    position ids (B*S integers, never a mask)."""
-    R = size_and_rank(group)[0]
-    every = [position_ids.contiguous()]  # (B, L) of each ring rank
-    if R > 1:
-        every = [torch.empty_like(every[0]) for _ in range(R)]
-        dist.all_gather(every, position_ids.contiguous(), group=group)
-    B, L = position_ids.shape
+    position ids. indices: every rank's positions [R, B, L], for layout "given"."""
+    every = gather_ring(position_ids, group)  # (R, B, L)
+    R, B, L = every.shape
     positions = torch.empty(B, R * L, dtype=position_ids.dtype)  # (B, S)
     for rank, theirs in enumerate(every):
-        positions[:, token_index(layout, rank, R, L)] = theirs.cpu()
+        positions.scatter_(1, held(layout, indices, rank, R, L).expand(B, L), theirs)
     return (positions == 0).cumsum(1)  # (B, S)
 
 
@@ -618,7 +697,7 @@ def _group(group_name):
 
 
 @_ring_forward.register_fake
-def _ring_forward_shapes(q, k, v, sinks, documents, group_name, layout, window, causal, scale, kernel):
+def _ring_forward_shapes(q, k, v, sinks, documents, indices, group_name, layout, window, causal, scale, kernel):
     """Exactly what the operator returns, strides too (inductor checks them): new contiguous tensors, whatever the
     memory layout of q (seq_to_heads hands over head-major memory)."""
     B, L, Hq, _ = q.shape
@@ -626,22 +705,22 @@ def _ring_forward_shapes(q, k, v, sinks, documents, group_name, layout, window, 
 
 
 @_ring_backward.register_fake
-def _ring_backward_shapes(dout, q, k, v, out, lse, sinks, documents, group_name, layout, window, causal, scale,
-                          kernel):
+def _ring_backward_shapes(dout, q, k, v, out, lse, sinks, documents, indices, group_name, layout, window, causal,
+                          scale, kernel):
     dsinks = q.new_empty(0) if sinks is None else sinks.new_empty(sinks.shape)
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dsinks  # contiguous, as the operator's
 
 
 def _keep_ring(ctx, inputs, output):
-    q, k, v, sinks, documents, *ctx.options = inputs
-    ctx.save_for_backward(q, k, v, *output, sinks, documents)
+    q, k, v, sinks, documents, indices, *ctx.options = inputs
+    ctx.save_for_backward(q, k, v, *output, sinks, documents, indices)
     ctx.mark_non_differentiable(output[1])
 
 
 def _ring_gradients(ctx, dout, _):
-    q, k, v, out, lse, sinks, documents = ctx.saved_tensors
-    dq, dk, dv, dsinks = _ring_backward(dout, q, k, v, out, lse, sinks, documents, *ctx.options)
-    return dq, dk, dv, None if sinks is None else dsinks, None, *[None] * len(ctx.options)
+    q, k, v, out, lse, sinks, documents, indices = ctx.saved_tensors
+    dq, dk, dv, dsinks = _ring_backward(dout, q, k, v, out, lse, sinks, documents, indices, *ctx.options)
+    return dq, dk, dv, None if sinks is None else dsinks, None, None, *[None] * len(ctx.options)
 
 
 _ring_forward.register_autograd(_ring_gradients, setup_context=_keep_ring)

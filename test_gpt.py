@@ -26,7 +26,7 @@ def _gpt_loss_and_grads(cases, group):
         model = GPT(GPTConfig(n_layer=2, n_head=n_head, n_kv_head=n_kv_head, n_embd=32), sp_group=group)
         samples = (data.make_sample(i, seq_len, seed=3) for i in range(2))
         full = [torch.stack(column) for column in zip(*samples)]
-        inputs, labels, position_ids = ulysses.shard_for_sp(*full, group)  # (B, S_pad/sp) each
+        inputs, labels, position_ids, _ = ulysses.shard_for_sp(*full, group)  # (B, S_pad/sp) each
         valid = ulysses.global_valid_tokens(labels, group)
         loss_sum, _ = model(inputs, position_ids, labels)
         (loss_sum / valid).backward()
@@ -58,7 +58,7 @@ def _packed_model(group, pattern, window=0):
 def _packed_run(group, pattern, window=0, changed_document=None):
     """Logits and (grads of the mean loss) of this rank's shard of the packed batch."""
     model = _packed_model(group, pattern, window)
-    inputs, labels, position_ids = ulysses.shard_for_sp(*packed_batch(changed_document), group)
+    inputs, labels, position_ids, _ = ulysses.shard_for_sp(*packed_batch(changed_document), group)
     logits = model(inputs, position_ids, packed=True)  # (B, S_pad/sp, vocab)
     loss_sum = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum")
     (loss_sum / ulysses.global_valid_tokens(labels, group)).backward()

@@ -344,8 +344,8 @@ def test_sinks_match_one_device(P):
     rounding of the largest value, as test_kernels.py holds it (Ulysses sends a kv head's gradient back from several
     ranks, each part rounded to bf16, and adds them: without sinks too, 3 elements of 768 miss 2^-7 of their own
     size on 3 ranks). Each rank's sink gradient holds its own queries' (a ring) or heads' (Ulysses) share, and
-    their sum is one device's. A sink merged at every block instead of once after the last, or the sinks of another rank's heads,
-    fail here."""
+    their sum is one device's. A sink merged at every block instead of once after the last, or the sinks of
+    another rank's heads, fail here."""
     cases = [case for case in SINK_CASES if case[0] != "usp" or P == 4]
     per_rank = run_ranks(P, _sinks_rank, cases)
     for i, (attention, dtype, window, packed, fused) in enumerate(cases):
@@ -359,3 +359,80 @@ def test_sinks_match_one_device(P):
         scale = max(t.abs().max().item() for t in want) if dtype == torch.bfloat16 else 1
         assert_all_close(got, want, TOLERANCE[dtype], TOLERANCE[dtype] * scale,
                          where=f"P={P} {attention} {dtype} window={window} packed={packed} fused={fused}")
+
+
+# ================================================================================================================
+# per-document balance: each ring rank an early and a late share of every packed document
+
+# row 0 as PACKED_POSITIONS'; row 1 opens inside a document carried over from the row before (positions 7 to 11),
+# then documents of 1, 11 and 7 tokens
+BALANCE_POSITIONS = torch.stack([PACKED_POSITIONS[0], torch.cat([torch.arange(7, 12), torch.arange(1), torch.arange(11),
+                                                                 torch.arange(7)])])  # (2, 24)
+
+
+def _balance_rank(rank, P, U, R, cases):
+    ring.QUERY_TILE = 5
+    ulysses_group, ring_group = usp_groups(U, R)
+    _, _, positions, index = ulysses.shard_for_sp(*[BALANCE_POSITIONS] * 3, ulysses_group, ring_group, "documents")
+    layout, ring_positions = (ulysses.gather_sequence(t, ulysses_group) for t in (index, positions))  # my ring rank's
+    results = []
+    for dtype, window, fused in cases:
+        q, k, v, grad_out = (t.to(dtype)[torch.arange(2)[:, None], index].requires_grad_()  # (B, 24/P, heads, D)
+                             for t in qkv(2, 24, 4, 2, 8))
+        sinks = sink_logits(4, dtype).requires_grad_()
+        attend = partial(ring.ring_attention, group=ring_group, layout=layout, window=window, fused=fused,
+                         position_ids=ring_positions)
+        out = ulysses.ulysses_attention(q, k, v, ulysses_group, attend, sinks=sinks)
+        out.backward(grad_out)
+        results.append((index, [out.detach(), q.grad, k.grad, v.grad], sinks.grad))
+    return results
+
+
+@pytest.mark.parametrize("U, R", [(1, 2), (1, 3), (2, 2), (1, 4)])
+def test_document_balance_matches_one_device(U, R):
+    """The per-document layout (shard_for_sp with balance="documents", each row its own) under a ring of R and
+    Ulysses x Ring, against one device's formula: output and the gradients of q, k, v and the sink logits, float64
+    within 1e-12 and float32 within 1e-5, with a sliding window and attention sinks, fused and tiles. Every token
+    goes to exactly one rank. A layout the ring reads other than the one the data was cut in fails here."""
+    cases = [(torch.float64, None, True), (torch.float64, 5, False), (torch.float32, 5, True),
+             (torch.float32, None, False)]
+    per_rank = run_ranks(U * R, _balance_rank, U, R, cases)
+    indices = [r[0][0] for r in per_rank]
+    assert all(sorted(row) == list(range(24)) for row in torch.cat(indices, dim=1).tolist())
+    for i, (dtype, window, fused) in enumerate(cases):
+        q, k, v, grad_out = (t.to(dtype) for t in qkv(2, 24, 4, 2, 8))
+        want = attention_formula(q, k, v, grad_out, window, BALANCE_POSITIONS, sink_logits(4, dtype))
+        got = [whole_sequence([r[i][1][j] for r in per_rank], indices).double() for j in range(4)]
+        got.append(sum(r[i][2] for r in per_rank).double())
+        assert_all_close(got, want, TOLERANCE[dtype], TOLERANCE[dtype],
+                         where=f"U={U} R={R} {dtype} window={window} fused={fused}")
+
+
+def long_document_mix(S=4096, share=0.6, seed=0):
+    """Position ids [1, S] of one packed row: one document of share x S tokens in the middle of short ones (8 to
+    119 tokens)."""
+    g = torch.Generator().manual_seed(seed)
+    short = []
+    while sum(short) < S - int(share * S):
+        short.append(int(torch.randint(8, 120, (1,), generator=g)))
+    short[-1] -= sum(short) - (S - int(share * S))
+    lengths = short[:len(short) // 2] + [int(share * S)] + short[len(short) // 2:]
+    return torch.cat([torch.arange(n) for n in lengths])[None]  # (1, S)
+
+
+def test_document_layout_balances_a_long_document():
+    """A row where one document holds 60% of the 4096 tokens and the rest are short: the per-document layout gives
+    each ring rank S/R tokens, rising, every token once, and causal work (query-key pairs) within 1.05x of the mean
+    at R = 2 and 4, where zigzag's busiest rank does 1.68x (it holds the long document's middle). A layout that
+    cut the row zigzag's way, blind to where documents start, fails here."""
+    positions = long_document_mix()
+    for R in (2, 4):
+        layout = ring.document_layout(positions, R)  # (1, R, S/R)
+        assert layout.shape == (1, R, 4096 // R) and (layout.diff(dim=-1) > 0).all()
+        assert sorted(layout.flatten().tolist()) == list(range(4096))
+        balanced = ring.document_work(positions, layout)
+        zigzag = ring.document_work(positions, torch.stack([ring.token_index("zigzag", r, R, 4096 // R)
+                                                            for r in range(R)])[None])
+        assert sum(balanced) == sum(zigzag)
+        assert max(balanced) / (sum(balanced) / R) <= 1.05, (R, balanced)
+        assert max(zigzag) / (sum(zigzag) / R) > 1.6, (R, zigzag)

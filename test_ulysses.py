@@ -47,7 +47,7 @@ def _shard_and_all_to_all_rank(rank, world_size, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bf16"])
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_shard_for_sp_and_the_all_to_all(world_size, dtype):
-    """shard_for_sp pads at the end and keeps global positions; the valid-token count covers every rank; the
+    """shard_for_sp pads at the end and keeps global positions (and each token's index); the valid-token count covers every rank; the
     all-to-all gives each rank exactly its heads of every token, heads_to_seq undoes it, and the backward of
     seq_to_heads is heads_to_seq (one tensor: the plain all_to_all); uneven head counts and several tensors in
     one call (the fused exchange) work the same way. In bf16 too, bit for bit: the exchanges only move data."""
@@ -60,7 +60,7 @@ def test_shard_for_sp_and_the_all_to_all(world_size, dtype):
     pad = -13 % world_size
     for i, want in enumerate((torch.cat([ids, torch.zeros(2, pad, dtype=torch.long)], 1),
                               torch.cat([labels, torch.full((2, pad), -100)], 1),
-                              torch.arange(13 + pad).expand(2, -1))):
+                              torch.arange(13 + pad).expand(2, -1), torch.arange(13 + pad).expand(2, -1))):
         assert torch.equal(torch.cat([r[0][i] for r in results], dim=1), want)
     assert all(r[1] == (labels != -100).sum() + (labels[:1] != -100).sum() for r in results)
     for rank, (_, _, heads, back, grad, inverse_of_grad, pair, pair_back) in enumerate(results):

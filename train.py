@@ -26,7 +26,7 @@ One optimizer step, on every rank of the dp x sp mesh. The code cites these step
      label is the next shard's first token (data.make_sample);
   3. (rule 2) sequences are padded at the end to S_pad, a multiple of sp (label -100), and SP rank r keeps tokens
      [r*S_pad/sp, (r+1)*S_pad/sp) with their GLOBAL position ids (ulysses.shard_for_sp; with --ring, the zigzag
-     order);
+     order, or with --pack each document's share);
   4. (rule 3) forward on the local tokens: embeddings, norms, MLP and loss per token, attention through two
      all-to-alls per layer (gpt.py calls ulysses.ulysses_attention); the model returns the SUM of its token
      losses;
@@ -183,12 +183,12 @@ def train_step(step, micro_batches, model, zero, optimizer, args):
     device = micro_batches[0][0].device
     optimizer.zero_grad(set_to_none=True)
     # step 5 needs the valid tokens of the whole global batch before the first micro-batch's backward
-    valid = ulysses.global_valid_tokens([labels for _, labels, _ in micro_batches], dist.group.WORLD)
+    valid = ulysses.global_valid_tokens([labels for _, labels, *_ in micro_batches], dist.group.WORLD)
     loss_sum = correct = 0
-    for inputs, labels, position_ids in micro_batches:
+    for inputs, labels, position_ids, token_index in micro_batches:
         # step 4; mixed precision: matmuls and attention in bf16, the rest in float32 (gpt.py says where)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.dtype == "bfloat16"):
-            micro_loss_sum, micro_correct = model(inputs, position_ids, labels, packed=args.pack)
+            micro_loss_sum, micro_correct = model(inputs, position_ids, labels, args.pack, token_index)
         (micro_loss_sum / valid).backward()  # step 5, and the backward of step 6
         loss_sum, correct = loss_sum + micro_loss_sum.detach(), correct + micro_correct
     # step 6: gradients are summed over all dp x sp ranks. ZeRO-3 (zero3.ShardedUnit.reduce_grad, the default on
@@ -226,12 +226,12 @@ def lr_at(step, args):
 
 def load_micro_batch(args, documents, step, micro, dp, dp_rank, sp_groups, device):
     """Steps 1 to 3: this DP rank's full sequences of one micro-step (labels shifted by data.make_sample), then this
-    SP rank's shard of them: input ids, labels and global position ids, [batch_size, S_pad/sp] each (with a ring,
-    in the zigzag order). sp_groups: (Ulysses group, ring group)."""
+    SP rank's shard of them: input ids, labels, global position ids and token index, [batch_size, S_pad/sp] each
+    (with a ring, in the order --balance picks). sp_groups: (Ulysses group, ring group)."""
     indices = data.micro_batch_indices(step, micro, args.grad_accum, dp_rank, dp, args.batch_size)
     samples = [data.make_sample(i, args.seq_len, documents, args.pack, args.seed) for i in indices]
     full = [torch.stack(column) for column in zip(*samples)]  # inputs, labels, position_ids: (B, S) each
-    return [t.to(device) for t in ulysses.shard_for_sp(*full, *sp_groups)]  # (B, S_pad/sp) each
+    return [t.to(device) for t in ulysses.shard_for_sp(*full, *sp_groups, args.balance)]  # (B, S_pad/sp) each
 
 
 def summarize(args, history, model, optimizer, n_params, world_size, device, rank):

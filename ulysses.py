@@ -30,7 +30,8 @@ The file reads down the call path. First comes the all-to-all of one tensor: the
 `ulysses_attention`, and what it calls in that order: the head layout, seq_to_heads and heads_to_seq, and the
 exchange that moves q, k and v in one call. Then the attention kernels, and the batch and the loss (rules 1, 2
 and 4). The plumbing comes last: what torch.compile sees of the exchange, the byte counts, and the wait that lets
-a script exit cleanly. It depends on torch alone (2.5 or later): copy it into your own project. `python bench.py
+a script exit cleanly. It depends on torch alone (2.5 or later; shard_for_sp on ring.py for a ring's layouts): copy
+it into your own project. `python bench.py
 attention` measures it.
 """
 
@@ -434,8 +435,9 @@ def gather_sequence(x, group):
 # rules 1, 2 and 4: the batch and the loss
 
 
-def shard_for_sp(input_ids, labels, position_ids, group=None, ring_group=None):
-    """Full sequences [B, S] -> this rank's [B, S_pad/P] input ids, labels and position ids.
+def shard_for_sp(input_ids, labels, position_ids, group=None, ring_group=None, balance="zigzag"):
+    """Full sequences [B, S] -> this rank's [B, S_pad/P] input ids, labels, position ids and token index (the
+    position of each of its tokens in the padded sequence: where the data came from, which a ring's layout is).
 
     labels must already be shifted (labels[:, i] is the token after input_ids[:, i], or -100). Pads at the end
     to a multiple of P (input 0, label -100, positions counting on), so nothing is dropped and causal attention
@@ -445,24 +447,31 @@ def shard_for_sp(input_ids, labels, position_ids, group=None, ring_group=None):
     With a ring (Ulysses x Ring, ring.py), group is this rank's Ulysses group of U ranks and ring_group its ring
     of R, P = U x R: S is padded to a multiple of 2P and cut into 2R chunks, ring rank r takes chunks r and
     2R-1-r (the zigzag order, which balances causal work), and its U Ulysses ranks split those two in order.
+    balance="documents": ring rank r takes its share of every packed document instead (ring.document_layout,
+    which balances each document's causal work; each row its own), its U Ulysses ranks splitting it in order.
     """
     for name, t in (("labels", labels), ("position_ids", position_ids)):
         if input_ids.dim() != 2 or t.shape != input_ids.shape:
             raise ValueError(f"shard_for_sp: input_ids {tuple(input_ids.shape)}, {name} {tuple(t.shape)}: want "
                              f"[B, S] each, labels already shifted (labels[:, i] is the token after input_ids[:, i])")
+    if balance not in ("zigzag", "documents"):
+        raise ValueError(f"shard_for_sp: balance={balance!r}: want 'zigzag' (one sequence's causal work) or "
+                         f"'documents' (each packed document's)")
+    from ring import document_layout, token_index  # a ring's layouts live with the ring
     (U, u), (R, r) = size_and_rank(group), size_and_rank(ring_group)
     P = U * R
     pad = -input_ids.shape[1] % (P if R == 1 else 2 * P)
     input_ids, labels = F.pad(input_ids, (0, pad), value=0), F.pad(labels, (0, pad), value=-100)  # (B, S_pad)
     counting_on = position_ids[:, -1:] + torch.arange(1, pad + 1, device=position_ids.device)  # (B, pad)
     position_ids = torch.cat([position_ids, counting_on], dim=1)  # (B, S_pad)
-    shards = []
-    for t in (input_ids, labels, position_ids):
-        if R > 1:  # ring rank r's two chunks, r and 2R-1-r
-            chunks = t.chunk(2 * R, dim=1)  # (B, S_pad/2R) each
-            t = torch.cat([chunks[r], chunks[2 * R - 1 - r]], dim=1)  # (B, S_pad/R)
-        shards.append(t.chunk(U, dim=1)[u])  # (B, S_pad/P)
-    return tuple(shards)
+    B, S_pad = input_ids.shape
+    if R > 1 and balance == "documents":  # my share of every document
+        index = document_layout(position_ids, R)[:, r]  # (B, S_pad/R)
+    else:  # ring rank r's two chunks, r and 2R-1-r; without a ring, every token
+        index = token_index("zigzag" if R > 1 else "contiguous", r, R, S_pad // R).expand(B, -1)  # (B, S_pad/R)
+    index = index.to(input_ids.device)
+    shards = [t.gather(1, index) for t in (input_ids, labels, position_ids)] + [index]  # (B, S_pad/R) each
+    return tuple(t.chunk(U, dim=1)[u] for t in shards)  # (B, S_pad/P) each
 
 
 def global_valid_tokens(labels, group=None):
