@@ -83,13 +83,17 @@ def test_training_with_uneven_heads(kv, all_to_all):
     (8, ["--sp", "4", "--ring", "2", "--batch-size", "4"], ["--n-kv-head", "2"]),  # ZeRO-3, the default
     (4, ["--sp", "4", "--ring", "2", "--batch-size", "8", "--zero", "fsdp2"], ["--n-head", "2", "--n-embd", "16"]),
     (4, ["--sp", "4", "--ring", "4", "--batch-size", "8", "--zero", "0"], ["--window", "20"]),
-    (2, ["--sp", "2", "--ring", "2", "--batch-size", "8"], ["--pack"]),
-], ids=["dp2xulysses2xring2-zero3-kv2", "ulysses2xring2-nhead2-fsdp2", "ring4-zero0-window", "ring2-packed"])
+    (2, ["--sp", "2", "--ring", "2", "--batch-size", "8", "--balance", "zigzag"], ["--pack"]),
+    (2, ["--sp", "2", "--ring", "2", "--batch-size", "8"], ["--pack", "--sinks", "--window", "20", "--steps", "20"]),
+    (4, ["--sp", "4", "--ring", "2", "--batch-size", "8"], ["--pack", "--sinks", "--n-kv-head", "2", "--steps", "20"]),
+], ids=["dp2xulysses2xring2-zero3-kv2", "ulysses2xring2-nhead2-fsdp2", "ring4-zero0-window", "ring2-packed-zigzag",
+        "ring2-packed-balanced-sinks-window-20-steps", "ulysses2xring2-packed-balanced-sinks-kv2-20-steps"])
 def test_ring_training_matches_one_device(world_size, layout, model, tmp_path):
     """Ulysses x Ring training equals one process step by step (losses, gradient norms, final weights within 1e-5),
     with padding (101 tokens into 2 x sp chunks): dp 2 x Ulysses 2 x ring 2 with ZeRO-3 and GQA; more SP ranks
     than heads (n_head 2, sp 4 = Ulysses 2 x ring 2) with FSDP2; a ring of 4 with a sliding window; a ring of 2
-    with packed documents."""
+    with packed documents in the zigzag order; and over 20 steps, packed documents balanced per document (the
+    default with --pack) with attention sinks, under a ring of 2 with a window and under Ulysses 2 x ring 2."""
     extra = TRAIN_ARGS + ["--seq-len", "101"] + model
     one_process = ["--sp", "1", "--batch-size", "8"] + extra + ["--out-dir", str(tmp_path / "one")]
     [(reference, _)] = run_ranks(1, train_rank, [one_process])[0]
