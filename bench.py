@@ -13,6 +13,8 @@ that teach a concept, so those read as their lesson.
     python bench.py ring        # Ulysses, ring and Ulysses x Ring on the same ranks: time, bytes, calls, memory;
                                 # the ring's fused block kernel against its einsum tiles and one process's SDPA;
                                 # causal work per rank, contiguous against zigzag
+    python bench.py balance     # packed documents under a ring: each rank's causal work and the step time,
+                                # zigzag against per-document balance (ring.document_layout)
     python bench.py gpu         # on a CUDA GPU: the ring's block kernel and ulysses_attention against SDPA, the
                                 # chunked gated delta rule against FLA's Triton kernel
 
@@ -577,6 +579,90 @@ def ring_(args):
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# python bench.py balance: packed documents under a ring of R, each rank's share of the causal work and the time of
+# one attention layer, in zigzag's layout and per document (ring.document_layout)
+
+
+def long_document_mix(S, share=0.6, seed=0):
+    """Position ids [1, S] of one packed row: one document of share x S tokens between short ones (8 to 119
+    tokens, half of them before it)."""
+    g = torch.Generator().manual_seed(seed)
+    long, short = int(share * S), []
+    while sum(short) < S - long:
+        short.append(int(torch.randint(8, 120, (1,), generator=g)))
+    short[-1] -= sum(short) - (S - long)
+    lengths = short[:len(short) // 2] + [long] + short[len(short) // 2:]
+    return torch.cat([torch.arange(n) for n in lengths])[None]  # (1, S)
+
+
+def balance_layouts(positions, R):
+    """{name: [B, R, S/R], the positions each ring rank holds} for zigzag and per-document balance."""
+    B, S = positions.shape
+    zigzag = torch.stack([ring.token_index("zigzag", r, R, S // R) for r in range(R)])  # (R, S/R)
+    return {"zigzag": zigzag.expand(B, R, S // R), "documents": ring.document_layout(positions, R)}
+
+
+def _balance_rank(rank, R, args):
+    """{layout: median seconds} of one ring attention layer, forward + backward, over the packed mix; the two
+    layouts timed interleaved."""
+    positions = long_document_mix(args.seq_len, args.share)  # (1, S)
+    g = torch.Generator().manual_seed(0)
+    B, S, H, D = 1, args.seq_len, args.heads, args.head_dim
+    tensors = [torch.randn(B, S, H, D, generator=g) for _ in range(3)]  # q, k, v of the whole sequence
+    layouts = {name: layout[:, rank] for name, layout in balance_layouts(positions, R).items()}  # (1, S/R) each
+
+    def step(index):
+        inputs = [t[:, index[0]].requires_grad_() for t in tensors]  # (1, S/R, H, D): my tokens
+        out = ring.ring_attention(*inputs, dist.group.WORLD, index, position_ids=positions[:, index[0]])
+        return torch.autograd.grad(out, inputs, torch.ones_like(out))
+
+    times = {name: [] for name in layouts}
+    for repetition in range(args.reps + 1):  # the first is a warm-up
+        for name, index in layouts.items():
+            dist.barrier()
+            start = time.perf_counter()
+            step(index)
+            dist.barrier()  # the step of the slowest rank
+            if repetition:
+                times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def balance(args):
+    positions = long_document_mix(args.seq_len, args.share)
+    print(f"one packed row of S={args.seq_len}: one document of {args.share:.0%} of the tokens, the rest 8 to 119 "
+          f"tokens; each ring rank's causal work (query-key pairs its queries see, ring.document_work) as max/mean, "
+          f"and one attention layer forward + backward (heads={args.heads}, head_dim={args.head_dim}, float32, "
+          f"gloo on this machine's cores), the median of {args.reps}, the two layouts interleaved", flush=True)
+    print(f"{'R':>2} {'layout':>10} {'work per rank (million pairs)':>40} {'max/mean':>9} {'ms':>8}", flush=True)
+    works = {}
+    for R in args.ranks:
+        with measuring(f"R={R}: {args.reps + 1} repetitions of both layouts"):
+            seconds = run_ranks(R, _balance_rank, args)
+        for name, layout in balance_layouts(positions, R).items():
+            works[R, name] = work = ring.document_work(positions, layout)
+            per_rank = " ".join(f"{w / 1e6:.2f}" for w in work)
+            print(f"{R:2} {name:>10} {per_rank:>40} {max(work) / (sum(work) / R):9.3f} {seconds[name] * 1e3:8.1f}",
+                  flush=True)
+    if args.picture:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        figure, axes = plt.subplots(1, len(args.ranks), figsize=(4 * len(args.ranks), 3), sharey=True)
+        for ax, R in zip(figure.axes, args.ranks):
+            for offset, name in ((-0.2, "zigzag"), (0.2, "documents")):
+                work = works[R, name]
+                ax.bar([r + offset for r in range(R)], [w / (sum(work) / R) for w in work], width=0.4, label=name)
+            ax.axhline(1.0, color="black", linewidth=0.5)
+            ax.set(title=f"ring of {R}", xlabel="ring rank", xticks=range(R))
+        figure.axes[0].set_ylabel("causal work / mean")
+        figure.axes[0].legend()
+        figure.tight_layout()
+        figure.savefig(args.picture)
+        print(f"picture: {args.picture}")
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # python bench.py gpu: on one CUDA GPU, the attention kernels and the gated delta rule beside their fast peers
 
 
@@ -679,11 +765,19 @@ def main(argv=None):
     p.add_argument("--head-dim", type=int, default=64, help="dimensions per head")
     p.add_argument("--batch-size", type=int, default=1, help="sequences")
     p.add_argument("--reps", type=int, default=5, help="timed repetitions (after one warm-up)")
+    p = command("balance", "packed documents under a ring: work per rank and step time, zigzag against per document")
+    p.add_argument("--seq-len", type=int, default=4096, help="tokens of the packed row")
+    p.add_argument("--share", type=float, default=0.6, help="the long document's share of the tokens")
+    p.add_argument("--ranks", type=int, nargs="+", default=[2, 4], help="ring sizes R, one pair of rows each")
+    p.add_argument("--heads", type=int, default=8, help="query heads (= key/value heads)")
+    p.add_argument("--head-dim", type=int, default=64, help="dimensions per head")
+    p.add_argument("--reps", type=int, default=5, help="timed repetitions (after one warm-up)")
+    p.add_argument("--picture", help="also draw each rank's work into this image file (matplotlib)")
     p = command("gpu", "on a CUDA GPU: the attention kernels and the gated delta rule beside their fast peers")
     p.add_argument("--seq-lens", type=int, nargs="+", default=[8192, 32768], help="tokens, one row each")
     p.add_argument("--reps", type=int, default=5, help="timed repetitions (after one warm-up)")
     args = parser.parse_args(argv)
-    if args.command == "ring" and any(args.seq_len % (2 * P) for P in args.ranks):
+    if args.command in ("ring", "balance") and any(args.seq_len % (2 * P) for P in args.ranks):
         parser.error(f"--seq-len {args.seq_len}: must be a multiple of 2 x every P in --ranks (the zigzag chunks)")
     if args.command == "attention":
         args.kv_heads = args.kv_heads or args.heads
@@ -694,7 +788,7 @@ def main(argv=None):
                 parser.error(f"--sp {P}: each SP size must be at least 2 and divide --heads {args.heads} and "
                              f"--kv-heads {args.kv_heads} (the weak-scaling rows use 2 and 4 as well)")
     measure = {"attention": attention, "tiled": tiled, "deltanet": deltanet, "memory": memory_, "compile": compile_,
-               "ring": ring_, "gpu": gpu}
+               "ring": ring_, "balance": balance, "gpu": gpu}
     measure[args.command](args)
 
 

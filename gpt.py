@@ -231,7 +231,8 @@ class GPT(nn.Module):
         window = self.cfg.window
         # the kernels run on the full sequence, so with packing they need the document starts of the full sequence
         full_positions = gather_sequence(position_ids, self.sp_group) if packed else None
-        layout = gather_sequence(token_index, self.sp_group) if packed and token_index is not None else "zigzag"
+        given = packed and token_index is not None and self.ring_group is not None  # shard_for_sp's layout
+        layout = gather_sequence(token_index, self.sp_group) if given else "zigzag"  # of my ring rank's tokens
         ring = partial(ring_attention, group=self.ring_group, layout=layout, window=window or None,  # shard_for_sp's
                        position_ids=full_positions)  # with a ring: the positions of my ring rank's tokens
         # the ring's kernel takes attention sinks, SDPA's and flash-attn's do not: with sinks, a ring of one rank

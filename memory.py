@@ -48,13 +48,15 @@ def local_tokens(args):
 
 
 
-def predict_memory(cfg, tokens, batch, sp, ring_size, world_size, zero, cuda, bf16, accumulate=False):
+def predict_memory(cfg, tokens, batch, sp, ring_size, world_size, zero, cuda, bf16, accumulate=False,
+                   packed=False):
     """This rank's peak tensor memory in one training step of GPT(cfg), in bytes, before anything is allocated:
     {"peak", "state", "activations", "step" (the optimizer step's gradients and temporaries), "offloaded" (kept in
     CPU memory by cfg.offload)}, peak = state + the larger of activations and step. tokens: this rank's per
     micro-step (batch * S/sp); ring_size: the ring degree R (1: Ulysses alone over sp ranks); zero: "0", "3" or
     "fsdp2" over world_size ranks; accumulate: gradient accumulation, whose micro-steps after the first run beside
-    the gradients. The model is built on the meta device: shapes, no memory. `python bench.py memory` sets the
+    the gradients; packed: packed documents. The model is built on the meta device: shapes, no memory (cfg.sinks
+    adds a sink logit a query head a layer, a parameter like any other). `python bench.py memory` sets the
     prediction beside the measured peak.
 
     What a layer keeps for backward is counted tensor by tensor, in elements per local token, as autograd saves
@@ -132,7 +134,15 @@ def predict_memory(cfg, tokens, batch, sp, ring_size, world_size, zero, cuda, bf
     # joined into one buffer (both at once: 8 bytes a parameter in float32), summed over the ranks in float32 (in
     # bf16 a float32 copy beside it: 6 bytes a parameter)
     gradient = 0 if zero == "0" else unit * (6 if bf16 else 8)
+    # Each token's index in the sequence (shard_for_sp's token_index, int64, 8 bytes). With packed documents in
+    # ring.py's kernel (a ring, or sinks), every softmax layer keeps for backward the document of each token of the
+    # ring's U x R x tokens (8 bytes each; CPU memory on CUDA), and under a ring of R > 1 also each one's position,
+    # the layout, which the Ulysses group gathers (8 x U bytes a local token)
+    softmax_layers = sum(block.kind == "a" for block in model.blocks)
+    kept = 0 if cuda else 8 * sp * (2 if ring_size > 1 else 1) * softmax_layers
+    layout = (8 * U * (ring_size > 1) + kept) if packed and (ring_size > 1 or cfg.sinks) else 0
     activations = blocks - offloaded + tokens * 4 * 2 * D + max(head, layer, gradient)  # + RoPE's cos and sin
+    activations += tokens * (8 + layout)
     # The model state: float32 parameters and AdamW's two moments, 12 bytes a parameter, on every rank (in bf16 also
     # autocast's bf16 copy of the weights, which backward keeps) or in shards (and two gathered units). The float32
     # gradients, 4 bytes more, exist from backward on: the activations peak as backward starts, before any of them
@@ -156,7 +166,7 @@ def predicted(args, world_size, cuda=None, **changed):
     args = argparse.Namespace(**{**vars(args), **changed})
     return predict_memory(model_config(args), local_tokens(args), args.batch_size, args.sp, args.ring, world_size,
                           args.zero, args.device == "cuda" if cuda is None else cuda, args.dtype == "bfloat16",
-                          args.grad_accum > 1)
+                          args.grad_accum > 1, args.pack)
 
 
 def memory_verdict(args, world_size, memory, cuda):

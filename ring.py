@@ -21,8 +21,8 @@ disjoint keys combine exactly:
     lse = log(exp(lse_a) + exp(lse_b))                 the normalizer over both blocks
     o   = (exp(lse_a) o_a + exp(lse_b) o_b) / exp(lse)  each output weighted by its share of it
 
-written with sigmoids so that nothing overflows (`merge`), in float32. The first block a rank computes is
-its own, where every query sees at least itself, so no row ever starts from an empty softmax.
+written with sigmoids so that nothing overflows (`merge`), in float32. A row starts with no keys (lse = -inf),
+so the first block merged into it passes through exactly; every query sees at least itself, in its own block.
 
 Backward is a second ring. The gradient of the keys and values of block j collects a term from every rank's
 queries, so an accumulator for dk_j and dv_j travels with block j: each rank adds its term and passes both on,
@@ -44,8 +44,10 @@ The all-to-all gives each rank whole heads of its ring block, the ring runs over
 gives the heads back. ulysses.shard_for_sp lays the tokens out in the zigzag order for it.
 
 Packed documents. A query sees the keys of its own document only. Documents start where the global positions
-are 0, so each rank learns every token's document once (an all-gather of the position ids), and a block's keys
-that a query sees are still one run. A block may then be wholly visible, partly visible or invisible to a query.
+are 0, so each rank learns every token's document once (an all-gather of the position ids). Each block is then
+cut into runs of consecutive positions inside one document, and each run of queries meets the runs of its own
+document's keys (`meeting_runs`): every key of a run that ends before it, causal on its own run, none after. So
+the work is each document's own triangle, and without a window every piece is one the fused kernel takes.
 
 Attention sinks (gpt-oss). Each query head h has a learned logit s_h that joins every query's softmax as one more
 score, with no value: the denominator gains exp(s_h), and the output shrinks by the sink's share of it. To the
@@ -73,11 +75,12 @@ sees in a block are still one run of the block's positions (`key_ranges`).
 
 The attention over one block is a fused flash kernel that returns the log-sum-exp (PyTorch's on CPU; flash-attn's
 or PyTorch's on CUDA), with einsum tiles beside it as the readable reference, and for the blocks the fused kernel
-does not take (a sliding window's, and those a document starts or ends in).
+does not take (a sliding window's).
 
 The file reads down the call path: `ring_attention`, the ring itself (forward and backward), one step of it, the
 attention over one block, and last the token layout and the plumbing (with the fused kernels). It depends on torch
-alone (2.6 or later): copy it into your own project. `python bench.py ring` measures it.
+alone (2.6 or later): copy it into your own project. `python bench.py ring` measures it, `python bench.py balance`
+the two layouts of packed documents.
 """
 
 from typing import NamedTuple
@@ -108,9 +111,9 @@ def ring_attention(q, k, v, group=None, layout=None, window=None, causal=True, s
     token_index shard_for_sp returns, e.g. for document_layout; one more all-gather of B*L integers a call).
     Returns [B, L, Hq, D], and with return_lse=True also the log-sum-exp of each query's scores (and its sink)
     [B, L, Hq] in float32 (not differentiable). window: sliding-window attention over the last `window` tokens.
-    scale: of the scores, 1/sqrt(D) by default. position_ids [B, L] (packed documents): the global positions of this rank's
-    tokens, as shard_for_sp gives them; a document starts where they are 0, and a query sees keys of its own
-    document only (one all-gather of them a call). sinks [Hq]: a learned logit per query head that joins each
+    scale: of the scores, 1/sqrt(D) by default. position_ids [B, L] (packed documents): the global positions of
+    this rank's tokens, as shard_for_sp gives them; a document starts where they are 0, and a query sees keys of
+    its own document only (one all-gather of them a call). sinks [Hq]: a learned logit per query head that joins each
     query's softmax as a score with no value (gpt-oss's attention sinks), differentiable, merged in float32 (float64
     for float64 inputs) whatever their dtype. fused=False computes every block with the einsum tiles (the
     reference) instead of the fused kernel that `block_kernel` picks for the device, dtype and head size. Ranks
@@ -169,18 +172,16 @@ def _ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torc
     with torch.autocast(q.device.type, enabled=False):  # the merge in float32 (or float64), whatever autocast
         q_heads = q.transpose(1, 2)  # (B, L, Hq, D) -> (B, Hq, L, D), a view; each kernel widens what it must
         wide = torch.promote_types(q.dtype, torch.float32)
-        out = q_heads.new_empty(B, Hq, L, D, dtype=wide)  # filled at step 0: every query sees itself
-        lse = q_heads.new_empty(B, Hq, L, dtype=wide)
+        out = q_heads.new_zeros(B, Hq, L, D, dtype=wide)  # no key yet: the first merged into a row passes through
+        lse = q_heads.new_full((B, Hq, L), float("-inf"), dtype=wide)
         kv = torch.stack([k, v])  # (2, B, L, Hkv, D): one message a step, in the input dtype
         for step in range(R):  # at step s this rank holds the block of rank r - s
             if step < R - 1:
                 incoming = pass_on(kv, group, "forward")  # sent while this block is computed on
-            for batch, rows, _, lo, hi, block_k, block_v in _blocks(mine, mask, (r - step) % R, R, kv, documents, indices):
+            blocks = _blocks(mine, mask, (r - step) % R, R, kv, documents, indices)
+            for batch, rows, _, lo, hi, block_k, block_v in blocks:
                 block_out, block_lse = block_attention(q_heads[batch, :, rows], block_k, block_v, lo, hi, scale, kernel)
-                if step == 0:  # my own block: every query sees itself, so every row is filled here
-                    out[batch, :, rows], lse[batch, :, rows] = block_out, block_lse
-                else:
-                    merge(out[batch, :, rows], lse[batch, :, rows], block_out, block_lse)
+                merge(out[batch, :, rows], lse[batch, :, rows], block_out, block_lse)
             if step < R - 1:
                 kv = arrived(*incoming)
         if sinks is not None:  # one more block, once per query, after all the others: lse = the sink, output 0
@@ -215,7 +216,8 @@ def _ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
             if step < R - 1:
                 incoming = pass_on(kv, group, "backward")
             dkv = dq.new_zeros(2, B, Hkv, L, D)  # this step's share of the block's dk and dv, a new buffer
-            for batch, rows, cols, lo, hi, block_k, block_v in _blocks(mine, mask, (r - step) % R, R, kv, documents, indices):
+            blocks = _blocks(mine, mask, (r - step) % R, R, kv, documents, indices)
+            for batch, rows, cols, lo, hi, block_k, block_v in blocks:
                 block_dq, block_dk, block_dv = block_gradients(
                     q[batch, :, rows], block_k, block_v, out[batch, :, rows], lse[batch, :, rows],
                     dout[batch, :, rows], lo, hi, scale, kernel)
@@ -259,23 +261,45 @@ def _blocks(mine, mask, rank, R, kv, documents, indices):
     """What my queries (at positions `mine`) need of the key/value block of ring rank `rank`, held in kv
     [2, B, L, Hkv, D]: a list of (batch: a slice of the batch's rows; rows, cols: the cut, as slices; the rows'
     (lo, hi) within cols; the keys and values of cols, head-major views in the input dtype), empty if my queries
-    see none of it. Every row of the batch sees the same keys, unless documents are packed: then each row has its
-    own cut (and, with a layout given per row, its own positions)."""
+    see none of it. Every row of the batch sees the same keys, unless documents are packed: then each row is cut
+    into runs of consecutive positions inside one document (with a layout given per row, at its own positions),
+    and each run of my queries meets each run of its document's keys, so that the work is each document's own
+    triangle and, without a window, every piece is one the fused kernel takes (every key, or causal)."""
     theirs = held(mask.layout, indices, rank, R, kv.shape[2])  # (L,) or (B, L)
-    if documents is None:
-        ranges = [(slice(None), key_ranges(mine, theirs, mask.window, mask.causal))]
+    if documents is None:  # (batch, where my queries and their keys start in the blocks, their positions)
+        parts = [(slice(None), 0, 0, mine, theirs)]
     else:
         mine, theirs = (t.expand(len(documents), -1) for t in (mine, theirs))  # (B, L) each: every row's own
-        ranges = [(slice(b, b + 1), key_ranges(mine[b], theirs[b], mask.window, mask.causal, row[mine[b]],
-                                               row[theirs[b]])) for b, row in enumerate(documents)]
+        parts = [(slice(b, b + 1), queries.start, keys.start, mine[b, queries], theirs[b, keys])
+                 for b, row in enumerate(documents) for queries, keys in meeting_runs(mine[b], theirs[b], row)]
     blocks = []
-    for batch, (lo, hi) in ranges:
+    for batch, q_start, k_start, q_index, k_index in parts:
+        lo, hi = key_ranges(q_index, k_index, mask.window, mask.causal)
         if (part := cut(lo, hi)) is None:
             continue
-        rows, cols = part
-        block_k, block_v = kv[:, batch, cols].transpose(2, 3)  # (B, Hkv, cols, D) each, views
-        blocks.append((batch, rows, cols, lo[rows] - cols.start, hi[rows] - cols.start, block_k, block_v))
+        rows, cols = part  # within the document's queries and keys; then within the blocks
+        queries = slice(q_start + rows.start, q_start + rows.stop)
+        keys = slice(k_start + cols.start, k_start + cols.stop)
+        block_k, block_v = kv[:, batch, keys].transpose(2, 3)  # (B, Hkv, cols, D) each, views
+        blocks.append((batch, queries, keys, lo[rows] - cols.start, hi[rows] - cols.start, block_k, block_v))
     return blocks
+
+
+def meeting_runs(q_index, k_index, documents):
+    """(queries, keys), two slices of q_index [Lq] and k_index [Lk] (positions, rising): each run of consecutive
+    positions inside one document among the queries, with each such run of the same document among the keys.
+    documents [S]: each position's document."""
+    def runs(index):  # {document: [slice, ...]}
+        new = torch.ones(len(index), dtype=torch.bool)  # (L,): where a run starts
+        new[1:] = (index.diff() != 1) | (documents[index].diff() != 0)
+        starts = [*new.nonzero().flatten().tolist(), len(index)]
+        found = {}
+        for start, stop in zip(starts, starts[1:]):
+            found.setdefault(documents[index[start]].item(), []).append(slice(start, stop))
+        return found
+    keys = runs(k_index)
+    return [(queries, keys_run) for document, query_runs in runs(q_index).items() for queries in query_runs
+            for keys_run in keys.get(document, [])]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -287,14 +311,14 @@ def _blocks(mine, mask, rank, R, kv, documents, indices):
 #
 #   fused    the block in one call of a flash-attention kernel that returns the log-sum-exp (`block_kernel` picks
 #            which: PyTorch's on CPU; flash-attn's, PyTorch's flash or its memory-efficient kernel on CUDA). It
-#            covers the two masks a ring without a window or documents meets: every key (a block from another rank,
-#            or its cut) and causal on the diagonal (my own block, Lq = Lk). With packed documents it takes the blocks
-#            that are one of these two (a block inside one document). It never holds scores against a whole block.
+#            covers the two masks a ring without a window meets: every key (a block from another rank, or its cut, or
+#            an earlier run of the same document) and causal on the diagonal (my own block or run, Lq = Lk). It never
+#            holds scores against a whole block.
 #   tiles    the readable reference, in einsums, for any (lo, hi): QUERY_TILE queries at a time, so the scores in
-#            memory are [B, Hq, QUERY_TILE, Lk] at most. It takes the blocks the fused kernel does not cover: a
-#            sliding window's, a block that a document starts or ends in, and any block when fused=False or when no
-#            fused kernel takes the inputs (float64 on CUDA, say). It computes in float32 (float64 for float64
-#            inputs) on every device: scores, log-sum-exp and the softmax's correction are statistics.
+#            memory are [B, Hq, QUERY_TILE, Lk] at most. It takes the blocks the fused kernel does not cover (a
+#            sliding window's), and any block when fused=False or when no fused kernel takes the inputs (float64 on
+#            CUDA, say). It computes in float32 (float64 for float64 inputs) on every device: scores, log-sum-exp
+#            and the softmax's correction are statistics.
 
 QUERY_TILE = 512
 
@@ -326,9 +350,10 @@ def merge(out, lse, block_out, block_lse):
     is the larger of the two plus a correction, log(e^a + e^b) = max(a, b) + log(1 + e^-|a - b|): the larger one
     passes through exactly, and the rounding of a - b (large scores: lse in the hundreds, where float32 keeps four
     decimals) only reaches the small correction. lse_a + (lse_b - lse_a) + ... would round there and shift every
-    probability of the softmax's backward."""
-    out.sub_(torch.sigmoid(block_lse - lse)[..., None] * (out - block_out))  # o_a + w (o_b - o_a), w = e^lse_b / e^lse
-    lse.copy_(torch.maximum(lse, block_lse) - F.logsigmoid((lse - block_lse).abs()))  # -log sigmoid(x) = log(1+e^-x)
+    probability of the softmax's backward. A row that has seen no key yet (lse -inf) and sees none here stays so."""
+    w = torch.sigmoid(block_lse - lse).nan_to_num_(0.0)  # e^lse_b / e^lse; nan where both are -inf
+    out.sub_(w[..., None] * (out - block_out))  # o_a + w (o_b - o_a)
+    lse.copy_(torch.maximum(lse, block_lse) - F.logsigmoid((lse - block_lse).abs()).nan_to_num_(0.0))  # log(1+e^-x)
 
 
 def block_gradients(q, k, v, out, lse, dout, lo, hi, scale, kernel):
@@ -589,18 +614,15 @@ def document_work(position_ids, layout):
     return seen.gather(1, layout.flatten(1)).view(layout.shape).sum((0, 2)).tolist()
 
 
-def key_ranges(q_index, k_index, window=None, causal=True, q_documents=None, k_documents=None):
-    """Which keys each query may see: causal (else all of them), within the last `window` tokens if given, and of
-    its own document if the tokens' documents are given ([Lq] and [Lk], rising like the positions). Positions in
-    both layouts rise along a rank's tokens, so the keys a query sees are one run of k_index: (lo, hi), two [Lq]
-    tensors, query i seeing keys lo[i] .. hi[i] - 1 (none when lo[i] = hi[i]). Never a [Lq, Lk] mask."""
+def key_ranges(q_index, k_index, window=None, causal=True):
+    """Which keys each query may see: causal (else all of them), and within the last `window` tokens if given
+    (`_blocks` gives it one document's queries and keys at a time). Positions in every layout rise along a rank's
+    tokens, so the keys a query sees are one run of k_index: (lo, hi), two [Lq] tensors, query i seeing keys
+    lo[i] .. hi[i] - 1 (none when lo[i] = hi[i]). Never a [Lq, Lk] mask."""
     hi = torch.searchsorted(k_index, q_index, right=True)  # (Lq,): the keys at or before each query
     if not causal:
         hi = torch.full_like(hi, len(k_index))
     lo = torch.searchsorted(k_index, q_index - window, right=True) if window else torch.zeros_like(hi)  # (Lq,)
-    if q_documents is not None:  # the keys of earlier documents and of later ones out
-        lo = torch.maximum(lo, torch.searchsorted(k_documents, q_documents))
-        hi = torch.minimum(hi, torch.searchsorted(k_documents, q_documents, right=True))
     return lo, hi
 
 

@@ -1,12 +1,14 @@
 """
 Tests of bench.py's attention baselines against one device: what `python bench.py attention` times against
-ulysses_attention computes the same attention and sends the bytes of its formula.
+ulysses_attention computes the same attention and sends the bytes of its formula. What `python bench.py balance`
+reports: per-document balance of a packed mix against zigzag's.
 """
 
 import pytest
 import torch.distributed as dist
 
 import bench
+import ring
 import ulysses
 from conftest import assert_all_close, attention_and_grads, qkv, run_ranks, sp_slice, whole_sequence
 
@@ -43,3 +45,19 @@ def test_benchmark_baselines_match_one_device(world_size):
         formula = {"(c)": 2 * (Hq + 2 * Hkv + Hq) * head * (P - 1) // P,  # (P-1)/P of q, k, v and out, both ways
                    "(d)": 4 * Hkv * head * (P - 1)}[name]  # k and v to every other rank, their gradients back
         assert [r[i][1] for r in per_rank] == [formula] * P, f"{name} B={B}"
+
+
+def test_document_layout_balances_a_long_document():
+    """bench.py balance's row: one document holds 60% of the 4,096 tokens and the rest are short. The per-document
+    layout gives each ring rank S/R tokens, rising, every token once, and causal work (query-key pairs) within 1.05x
+    of the mean at R = 2 and 4, where zigzag's busiest rank does 1.68x (it holds the long document's middle). A
+    layout that cut the row zigzag's way, blind to where documents start, fails here."""
+    positions = bench.long_document_mix(4096)  # (1, S)
+    for R in (2, 4):
+        layouts = bench.balance_layouts(positions, R)  # (1, R, S/R) each
+        balanced, zigzag = (ring.document_work(positions, layouts[name]) for name in ("documents", "zigzag"))
+        assert layouts["documents"].shape == (1, R, 4096 // R) and (layouts["documents"].diff(dim=-1) > 0).all()
+        assert sorted(layouts["documents"].flatten().tolist()) == list(range(4096))
+        assert sum(balanced) == sum(zigzag)
+        assert max(balanced) / (sum(balanced) / R) <= 1.05, (R, balanced)
+        assert max(zigzag) / (sum(zigzag) / R) > 1.6, (R, zigzag)

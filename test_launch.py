@@ -49,6 +49,8 @@ from gpt import GPT, GPTConfig
     (1, ["--data", "/no/such/file.txt"], r"--data /no/such/file.txt: no such file"),
     (1, ["--batch-size", "0"], r"--batch-size 0 must be at least 1"),
     (1, ["--tiles", "0"], r"--tiles 0 must be at least 1"),
+    (1, ["--balance", "documents"], r"--balance documents shares each packed document's work over a ring's ranks: "
+                                    r"it needs --pack"),
     (1, ["--data", "{empty}"], r"--data .*empty.txt: holds no text"),
     (1, ["--data", "{empty}", "--pack"], r"--data .*empty.txt: holds no text"),
     (1, ["--save-every", "5"], r"--resume, --save-every and --keep need --out-dir"),
