@@ -69,7 +69,7 @@ A rank then holds any rising set of positions, not two chunks: shard_for_sp retu
 tokens (token_index), and ring_attention takes them as the layout. Nothing else changes, because the keys a query
 sees in a block are still one run of the block's positions (`key_ranges`).
 
-    document    0 0 0 0 0 0 0 0 0 0 0 0 1 1 1 1     R = 2; the rank that holds each token, and its work:
+    document    0 0 0 0 0 0 0 0 0 0 0 0 1 1 1 1     R = 2, every document cut (MIN_CHUNK = 1); each token's rank:
     zigzag      0 0 0 0 1 1 1 1 1 1 1 1 0 0 0 0     20 and 68 query-key pairs (`document_work` counts them)
     documents   0 0 0 1 1 1 1 1 1 0 0 0 0 1 1 0     44 and 44: each rank an early and a late chunk of each
 
@@ -567,33 +567,41 @@ def held(layout, indices, rank, R, L):
     return indices[rank] if layout == "given" else token_index(layout, rank, R, L)
 
 
+MIN_CHUNK = 64  # tokens: a document is cut into 2R chunks only if each holds this many; a shorter one goes whole
+
+
 def document_layout(position_ids, R):
     """Per-document balance: each row of position_ids [B, S] (0 where a document starts, S a multiple of 2R)
     dealt to the R ranks of a ring, S/R tokens each, so that each rank does about 1/R of every document's causal
     work. Returns [B, R, S/R]: the positions each rank holds, rising (shard_for_sp gathers its tokens by them).
 
     Each piece of a row between document starts (the first may be a document's end, carried over from the row
-    before) of n tokens is cut as zigzag cuts a sequence: 2R chunks of n // 2R tokens from its two ends, rank r
-    taking chunks r and 2R-1-r, an early one (queries that see few keys) and a late one (many). The fewer than 2R
-    tokens left in its middle (all of a piece shorter than 2R) go, heaviest first, to the rank with the least work
-    so far that has room. Work: the query-key pairs of causal attention (`keys_seen`)."""
+    before) of n >= 2R x MIN_CHUNK tokens is cut as zigzag cuts a sequence: 2R chunks of n // 2R tokens from its
+    two ends, rank r taking chunks r and 2R-1-r, an early one (queries that see few keys) and a late one (many).
+    What remains, each shorter piece whole and the fewer than 2R tokens in the middle of a long one, goes heaviest
+    first to the least busy rank it fits in whole, or, where it fits in none, fills the rank with the most room
+    and goes on. Work: the query-key pairs of causal attention (`keys_seen`). Short pieces stay whole because each
+    run of a document on a rank costs the ring a kernel call per block (`meeting_runs`)."""
     B, S = position_ids.shape
     L = S // R
     layout = torch.empty(B, R, L, dtype=torch.long)
     for b, positions in enumerate(position_ids.cpu()):
         seen = keys_seen(positions)  # (S,)
         starts = [*(seen == 1).nonzero().flatten().tolist(), S]
-        taken, middle = [[] for _ in range(R)], []
+        taken, rest = [[] for _ in range(R)], []
         for start, end in zip(starts, starts[1:]):
-            c = (end - start) // (2 * R)  # chunk length
+            c = (end - start) // (2 * R) if end - start >= 2 * R * MIN_CHUNK else 0  # chunk length
             for r in range(R):  # chunk r from the front, chunk 2R-1-r from the back
                 taken[r] += [*range(start + r * c, start + (r + 1) * c), *range(end - (r + 1) * c, end - r * c)]
-            middle += range(start + R * c, end - R * c)
+            rest.append(range(start + R * c, end - R * c))
         work = [seen[t].sum().item() for t in taken]
-        for token in sorted(middle, key=lambda t: -seen[t].item()):  # heaviest first
-            r = min((r for r in range(R) if len(taken[r]) < L), key=lambda r: work[r])
-            taken[r].append(token)
-            work[r] += seen[token].item()
+        for run in sorted(rest, key=lambda run: -seen[run.start:run.stop].sum().item()):  # heaviest first
+            while run:
+                fits = [r for r in range(R) if L - len(taken[r]) >= len(run)]
+                r = min(fits, key=work.__getitem__) if fits else max(range(R), key=lambda r: L - len(taken[r]))
+                part, run = run[:L - len(taken[r])], run[L - len(taken[r]):]
+                taken[r] += part
+                work[r] += seen[part.start:part.stop].sum().item()
         layout[b] = torch.tensor(taken).sort(1).values  # (R, L)
     return layout
 

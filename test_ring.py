@@ -373,10 +373,11 @@ BALANCE_POSITIONS = torch.stack([PACKED_POSITIONS[0], torch.cat([torch.arange(7,
 def _balance_rank(rank, P, U, R, cases):
     ring.QUERY_TILE = 5
     ulysses_group, ring_group = usp_groups(U, R)
-    _, _, positions, index = ulysses.shard_for_sp(*[BALANCE_POSITIONS] * 3, ulysses_group, ring_group, "documents")
-    layout, ring_positions = (ulysses.gather_sequence(t, ulysses_group) for t in (index, positions))  # my ring rank's
     results = []
-    for dtype, window, fused in cases:
+    for dtype, window, fused, min_chunk in cases:
+        ring.MIN_CHUNK = min_chunk
+        _, _, positions, index = ulysses.shard_for_sp(*[BALANCE_POSITIONS] * 3, ulysses_group, ring_group, "documents")
+        layout, ring_positions = (ulysses.gather_sequence(t, ulysses_group) for t in (index, positions))  # my ring's
         q, k, v, grad_out = (t.to(dtype)[torch.arange(2)[:, None], index].requires_grad_()  # (B, 24/P, heads, D)
                              for t in qkv(2, 24, 4, 2, 8))
         sinks = sink_logits(4, dtype).requires_grad_()
@@ -392,17 +393,19 @@ def _balance_rank(rank, P, U, R, cases):
 def test_document_balance_matches_one_device(U, R):
     """The per-document layout (shard_for_sp with balance="documents", each row its own) under a ring of R and
     Ulysses x Ring, against one device's formula: output and the gradients of q, k, v and the sink logits, float64
-    within 1e-12 and float32 within 1e-5, with a sliding window and attention sinks, fused and tiles. Every token
-    goes to exactly one rank. A layout the ring reads other than the one the data was cut in fails here."""
-    cases = [(torch.float64, None, True), (torch.float64, 5, False), (torch.float32, 5, True),
-             (torch.float32, None, False)]
+    within 1e-12 and float32 within 1e-5, with a sliding window and attention sinks, fused and tiles; every
+    document cut into 2R chunks (MIN_CHUNK 1), or every one dealt whole (MIN_CHUNK 8; on 3 ranks the longest fits
+    in none and is split). Every token goes to exactly one rank. A layout the ring reads other than the one the
+    data was cut in, or the first block of a row's runs overwriting the one before, fails here."""
+    cases = [(torch.float64, None, True, 1), (torch.float64, 5, False, 1), (torch.float32, 5, True, 1),
+             (torch.float32, None, False, 1), (torch.float64, None, True, 8), (torch.float32, 5, True, 8)]
     per_rank = run_ranks(U * R, _balance_rank, U, R, cases)
-    indices = [r[0][0] for r in per_rank]
-    assert all(sorted(row) == list(range(24)) for row in torch.cat(indices, dim=1).tolist())
-    for i, (dtype, window, fused) in enumerate(cases):
+    for i, (dtype, window, fused, min_chunk) in enumerate(cases):
+        indices = [r[i][0] for r in per_rank]
+        assert all(sorted(row) == list(range(24)) for row in torch.cat(indices, dim=1).tolist())
         q, k, v, grad_out = (t.to(dtype) for t in qkv(2, 24, 4, 2, 8))
         want = attention_formula(q, k, v, grad_out, window, BALANCE_POSITIONS, sink_logits(4, dtype))
         got = [whole_sequence([r[i][1][j] for r in per_rank], indices).double() for j in range(4)]
         got.append(sum(r[i][2] for r in per_rank).double())
         assert_all_close(got, want, TOLERANCE[dtype], TOLERANCE[dtype],
-                         where=f"U={U} R={R} {dtype} window={window} fused={fused}")
+                         where=f"U={U} R={R} {dtype} window={window} fused={fused} MIN_CHUNK={min_chunk}")
