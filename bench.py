@@ -603,8 +603,9 @@ def balance_layouts(positions, R):
 
 
 def _balance_rank(rank, R, args):
-    """{layout: median seconds} of one ring attention layer, forward + backward, over the packed mix; the two
-    layouts timed interleaved."""
+    """{layout: (median seconds of the step, [each rank's median CPU seconds in it])} of one ring attention layer,
+    forward + backward, over the packed mix; the two layouts timed interleaved. A rank's CPU time leaves out its
+    waits for the others: what its step would take on a core of its own."""
     positions = long_document_mix(args.seq_len, args.share)  # (1, S)
     g = torch.Generator().manual_seed(0)
     B, S, H, D = 1, args.seq_len, args.heads, args.head_dim
@@ -616,16 +617,20 @@ def _balance_rank(rank, R, args):
         out = ring.ring_attention(*inputs, dist.group.WORLD, index, position_ids=positions[:, index[0]])
         return torch.autograd.grad(out, inputs, torch.ones_like(out))
 
-    times = {name: [] for name in layouts}
+    times, cpu = {name: [] for name in layouts}, {name: [] for name in layouts}
     for repetition in range(args.reps + 1):  # the first is a warm-up
         for name, index in layouts.items():
             dist.barrier()
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.process_time()
             step(index)
+            mine = time.process_time() - start_cpu
             dist.barrier()  # the step of the slowest rank
             if repetition:
                 times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(t) for name, t in times.items()}
+                cpu[name].append(mine)
+    every = [None] * R
+    dist.all_gather_object(every, {name: statistics.median(t) for name, t in cpu.items()})
+    return {name: (statistics.median(times[name]), [ranks[name] for ranks in every]) for name in layouts}
 
 
 def balance(args):
@@ -633,8 +638,10 @@ def balance(args):
     print(f"one packed row of S={args.seq_len}: one document of {args.share:.0%} of the tokens, the rest 8 to 119 "
           f"tokens; each ring rank's causal work (query-key pairs its queries see, ring.document_work) as max/mean, "
           f"and one attention layer forward + backward (heads={args.heads}, head_dim={args.head_dim}, float32, "
-          f"gloo on this machine's cores), the median of {args.reps}, the two layouts interleaved", flush=True)
-    print(f"{'R':>2} {'layout':>10} {'work per rank (million pairs)':>40} {'max/mean':>9} {'ms':>8}", flush=True)
+          f"gloo on this machine's cores), the median of {args.reps}, the two layouts interleaved: the step's time "
+          f"and the CPU time of the busiest rank (its waits left out)", flush=True)
+    print(f"{'R':>2} {'layout':>10} {'work per rank (million pairs)':>40} {'max/mean':>9} {'step ms':>8} "
+          f"{'busiest CPU ms':>15}", flush=True)
     works = {}
     for R in args.ranks:
         with measuring(f"R={R}: {args.reps + 1} repetitions of both layouts"):
@@ -642,8 +649,9 @@ def balance(args):
         for name, layout in balance_layouts(positions, R).items():
             works[R, name] = work = ring.document_work(positions, layout)
             per_rank = " ".join(f"{w / 1e6:.2f}" for w in work)
-            print(f"{R:2} {name:>10} {per_rank:>40} {max(work) / (sum(work) / R):9.3f} {seconds[name] * 1e3:8.1f}",
-                  flush=True)
+            step, cpu = seconds[name]
+            print(f"{R:2} {name:>10} {per_rank:>40} {max(work) / (sum(work) / R):9.3f} {step * 1e3:8.1f} "
+                  f"{max(cpu) * 1e3:15.1f}", flush=True)
     if args.picture:
         import matplotlib
         matplotlib.use("Agg")
