@@ -63,11 +63,11 @@ reduction of training (a sum over the ranks) makes it whole.
 
 Per-document balance. Zigzag balances the causal work of ONE sequence. With packed documents the work is each
 document's own triangle, so a rank that holds the tail of a long document does much more than one that holds
-short ones. `document_layout` cuts each document as zigzag cuts a sequence instead: 2R chunks, rank r taking
-chunks r and 2R-1-r of every document, and deals the few tokens left over one at a time to the least busy rank.
-A rank then holds any rising set of positions, not two chunks: shard_for_sp returns the position of each of its
-tokens (token_index), and ring_attention takes them as the layout. Nothing else changes, because the keys a query
-sees in a block are still one run of the block's positions (`key_ranges`).
+short ones. `document_layout` cuts each long document as zigzag cuts a sequence instead: 2R chunks, rank r
+taking chunks r and 2R-1-r of it, and deals what remains (short documents whole) to the least busy rank. A rank
+then holds any rising set of positions, not two chunks: shard_for_sp returns the position of each of its tokens
+(token_index), and ring_attention takes them as the layout. Nothing else changes, because the keys a query sees
+in a block are still one run of the block's positions (`key_ranges`).
 
     document    0 0 0 0 0 0 0 0 0 0 0 0 1 1 1 1     R = 2, every document cut (MIN_CHUNK = 1); each token's rank:
     zigzag      0 0 0 0 1 1 1 1 1 1 1 1 0 0 0 0     20 and 68 query-key pairs (`document_work` counts them)
