@@ -275,3 +275,25 @@ def test_torchrun_shows_a_flag_it_does_not_know_once():
     done = subprocess.run(torchrun(4) + ["--no-such-flag"], cwd=HERE, capture_output=True, text=True, timeout=120)
     assert done.returncode != 0
     assert (done.stdout + done.stderr).count("unrecognized arguments: --no-such-flag") == 1
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--dry-run"], r"--dry-run traces the run that --plan NxG describes: add --plan, e.g. --plan 8x80$"),
+    (["--plan", "2x80", "--dry-run", "--pack"], r"--dry-run cannot trace --pack: the documents' lengths set the "
+                                                r"attention kernels' shapes, .*; drop --pack$"),
+    (["--plan", "2x80", "--dry-run", "--compile"], r"--dry-run traces the eager step, not compiled code; drop "
+                                                   r"--compile$"),
+    (["--offload-optimizer", "--zero", "0"], r"--offload-optimizer moves ZeRO-3's shards and AdamW to CPU memory; "
+                                             r"use --zero 3, not --zero 0$"),
+    (["--vocab-size", "100"], r"--vocab-size 100 must be at least 256: the data's tokens are bytes, 0 to 255$"),
+    (["--rope-base", "0"], r"--rope-base 0 must be a finite number above 0$"),
+    (["--intermediate-size", "-1"], r"--intermediate-size -1 must be at least 0$"),
+    (["--loss-tiles", "-1"], r"--loss-tiles -1 must be at least 0$"),
+])
+def test_the_flags_of_plans_and_real_shapes_refuse_bad_values(monkeypatch, argv, message):
+    """--dry-run, --offload-optimizer and the flags of a real model's shape: a value a run cannot use is one line, and
+    nothing starts."""
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    with pytest.raises(SystemExit, match=message):
+        train.main(argv)
+    assert not dist.is_initialized()

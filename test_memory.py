@@ -149,3 +149,67 @@ def test_a_run_that_cannot_fit_the_gpu_is_refused(monkeypatch):
     with pytest.raises(launch.Mistake, match=r"^this run would need [\d.]+ GiB per rank for 1,000,000 tokens a rank "
                                              r"\(model state .*\), against 1.0 GiB; about [\d,]+ tokens would fit"):
         memory.check_memory(args, 1)
+
+
+from functools import partial  # noqa: E402 (the dry run's tests, below, came later)
+from unittest.mock import patch  # noqa: E402
+
+DRY_RUNS = [["--seq-len", "2048"], ["--seq-len", "2048", "--tiles", "4", "--recompute", "--offload-optimizer"],
+            ["--seq-len", "2048", "--zero", "fsdp2", "--dtype", "bfloat16"],
+            ["--seq-len", "2048", "--ring", "2", "--n-kv-head", "2", "--mlp", "swiglu", "--vocab-size", "1000"]]
+
+
+def test_dry_run_equals_the_measured_peak():
+    """memory.dry_run traces train.py's real step on fake tensors, in this one process with a fake process group of 2
+    ranks, as a CPU runs it: its peak is within 5% of the peak 2 gloo ranks measure running the same step (ZeRO-3,
+    tiles and recomputation with the optimizer in host memory, FSDP2 in bf16, a ring with a SwiGLU MLP)."""
+    measured = map(max, zip(*run_ranks(2, _memory_rank, DRY_RUNS)))
+    for argv, peak in zip(DRY_RUNS, measured):
+        args = launch.parse_args(argv + ["--batch-size", "1"])
+        launch.check_args(args, 2)
+        traced = memory.dry_run(args, 2, partial(train.build, args), cuda=False)
+        assert abs(traced["device"] / peak - 1) < 0.05, (argv, traced, peak)
+
+
+LLAMA_PLAN = ["--model", "llama3-8b", "--n-layer", "2", "--plan", "8x80", "--seq-len", "65536", "--batch-size", "1",
+              "--tiles", "4", "--loss-tiles", "16", "--recompute", "--offload"]
+
+
+def test_a_dry_run_of_llama_shapes_on_8_gpus(capsys):
+    """--plan --dry-run on Llama-3-8B's shapes (2 of its 32 layers), 64k tokens on 8 GPUs, as they would run it: the
+    traced line follows the plan's, and the predictor is within 10% of it, GPU and CPU memory. Host and device
+    apart, as only a GPU run has them, traced on CPU: --offload puts each block's input in CPU memory (with RoPE's
+    tables); with --offload-optimizer the GPU holds none of the optimizer (float32 shards and AdamW's moments, 12
+    bytes a parameter of this rank's) and CPU memory holds it, the gradients and a bf16 copy (18 bytes)."""
+    assert train.main(LLAMA_PLAN + ["--dry-run", "--offload-optimizer"])
+    printed = capsys.readouterr().out
+    line = re.search(r"^dry run: rank 0 of 8, the training step traced on fake tensors in [\d.]+ s: fits: ([\d.]+) GiB "
+                     r"per GPU \(predicted [\d.]+ GiB, ([-+][\d.]+)%\), ([\d.]+) GiB in CPU memory \(predicted "
+                     r"([\d.]+) GiB\)$", printed, re.M)
+    assert printed.startswith("plan: 8 GPUs, sp 8, seq 65,536: fits: ") and line, printed
+    assert abs(float(line.group(2))) < 10 and abs(float(line.group(3)) / float(line.group(4)) - 1) < 0.1, printed
+    traced = {}
+    for name, argv in (("kept", [flag for flag in LLAMA_PLAN if flag != "--offload"]), ("offload", LLAMA_PLAN),
+                       ("optimizer too", LLAMA_PLAN + ["--offload-optimizer"])):
+        args = launch.parse_args(argv)
+        launch.check_args(args, 8)
+        traced[name] = memory.dry_run(args, 8, partial(train.build, args))
+    local = (2 * 218_112_000 + 525_336_576 + 525_340_672) / 8  # this rank's parameters: 2 blocks, embedding, head
+    assert traced["offload"]["device"] - traced["optimizer too"]["device"] > 12 * local * 0.95, traced
+    assert traced["optimizer too"]["host"] - traced["offload"]["host"] > 18 * local, traced
+    # --offload: each block's float32 input [8192, 4096] in CPU memory, and RoPE's cos and sin [8192, 128] with it
+    assert traced["offload"]["host"] - traced["kept"]["host"] == 2 * 8192 * 4 * (4096 + 2 * 128), traced
+
+
+def test_a_dry_run_traces_the_busiest_rank():
+    """6 heads and 2 kv heads on 4 ranks: rank 1 holds query heads 2 and 3, which use both kv heads, so its kernel
+    gets the most heads. memory.busiest_rank picks it, and its traced peak is the largest of the 4 ranks'."""
+    args = launch.parse_args(["--plan", "4x80", "--n-head", "6", "--n-kv-head", "2", "--n-embd", "192",
+                              "--seq-len", "8192", "--batch-size", "1"])
+    launch.check_args(args, 4)
+    busiest = memory.busiest_rank(args)
+    peaks = []
+    for rank in range(4):
+        with patch.object(memory, "busiest_rank", lambda args: rank):
+            peaks.append(memory.dry_run(args, 4, partial(train.build, args), cuda=False)["device"])
+    assert busiest == 1 and peaks[1] == max(peaks) > min(peaks), peaks
