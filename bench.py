@@ -538,15 +538,16 @@ def plans(args):
     rows = []
     for gpus in args.gpus:
         by_plan = longest(lambda S: planned(gpus, gib, S)["peak"] <= gib * 2**30, ALST[gpus], 2, 1 / 256)
-        by_dry_run = (longest(lambda S: traced(gpus, gib, S)[0], by_plan, 1 + args.tolerance, args.tolerance)
-                      if args.dry_runs else None)
-        _, device, host, seconds = traced(gpus, gib, ALST[gpus]) if args.dry_runs else (None,) * 4
+        by_dry_run, traced_there = "-", "-"
+        if args.dry_runs:
+            by_dry_run = f"{longest(lambda S: traced(gpus, gib, S)[0], by_plan, 1 + args.tolerance, args.tolerance):,}"
+            _, device, host, seconds = traced(gpus, gib, ALST[gpus])
+            traced_there = f"{device:.1f} GPU, {host:.1f} CPU ({seconds:.0f} s)"
         predicted = planned(gpus, gib, ALST[gpus])
         rows.append((gpus, by_plan, by_dry_run))
-        print(f"{gpus:>3} GPUs: ALST {ALST[gpus]:>10,} | plan {by_plan:>10,} | dry run "
-              f"{by_dry_run or 0:>10,} | at {ALST[gpus]:,}: dry run {device or 0:.1f} GPU, {host or 0:.1f} CPU "
-              f"({seconds or 0:.0f} s), predicted {predicted['peak'] / 2**30:.1f} GPU, {predicted['host'] / 2**30:.1f}"
-              f" CPU", flush=True)
+        print(f"{gpus:>3} GPUs: ALST {ALST[gpus]:>10,} | plan {by_plan:>10,} | dry run {by_dry_run:>10} | at "
+              f"{ALST[gpus]:,}: dry run {traced_there}, predicted {predicted['peak'] / 2**30:.1f} GPU, "
+              f"{predicted['host'] / 2**30:.1f} CPU", flush=True)
     if args.figure:
         draw_plans(rows, gib, args.figure)
 
@@ -555,20 +556,26 @@ def draw_plans(rows, gib, path):
     """Longest sequence against GPU count, ours beside ALST's, as a picture (needs matplotlib; skipped without)."""
     try:
         import matplotlib
+        import matplotlib.ticker
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
         print(f"no picture: matplotlib is not installed (the table above is the result)")
         return
     gpus = [g for g, _, _ in rows]
-    fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot(gpus, [ALST[g] for g in gpus], "s-", label="ALST (reported)")
-    ax.plot(gpus, [p for _, p, _ in rows], "o--", label="this project, predicted (--plan)")
-    if all(d for _, _, d in rows):
-        ax.plot(gpus, [d for _, _, d in rows], "o-", label="this project, traced (--dry-run)")
-    ax.set(xscale="log", yscale="log", xlabel=f"H100s of {gib} GiB", ylabel="longest sequence, tokens",
+    series = [("ALST (reported)", "s-", [ALST[g] for g in gpus]),
+              ("this project, predicted (--plan)", "o--", [p for _, p, _ in rows])]
+    if all(d != "-" for _, _, d in rows):
+        series.append(("this project, traced (--dry-run)", "o-", [int(d.replace(",", "")) for _, _, d in rows]))
+    fig, ax = plt.subplots(figsize=(6.4, 4.4))
+    for i, (label, style, tokens) in enumerate(series):
+        ax.plot(gpus, tokens, style, label=label)
+        for g, n in zip(gpus, tokens) if i in (0, len(series) - 1) else ():  # ALST's and ours, the last series
+            ax.annotate(f"{n / 1e6:.2f}M", (g, n), textcoords="offset points", xytext=(6, 4 if i else -12), fontsize=8)
+    ax.set(xscale="log", yscale="log", xlabel=f"GPUs of {gib} GiB (H100)", ylabel="longest sequence, tokens",
            title="Llama-3-8B: the longest sequence that trains")
     ax.set_xticks(gpus, [str(g) for g in gpus])
+    ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -261,6 +261,9 @@ def check_args(args, world_size):
              "tensors hold no values; drop --pack")
     if args.dry_run and args.compile:
         fail("--dry-run traces the eager step, not compiled code; drop --compile")
+    if args.dry_run and "d" in args.layer_pattern and args.gdn_parallel == "context":
+        fail("--dry-run cannot trace --gdn-parallel context: where each rank's runs of tokens start is computed from "
+             "index tensors, and a dry run's tensors hold no values; use --gdn-parallel ulysses")
     if args.device == "cuda" and not torch.cuda.is_available() and args.plan is None:
         fail("--device cuda, but torch sees no CUDA device; choose --device cpu")
     if (args.resume or args.save_every or args.keep) and args.out_dir is None:

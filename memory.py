@@ -152,8 +152,11 @@ def predict_memory(cfg, tokens, batch, sp, ring_size, world_size, zero, cuda, bf
     gradients = (2 if cuda else 4) * h * wide + (h if bf16 else 0)
     layer = tokens * e * ((max(layers) if cfg.recompute else 0) + gradients) + tokens * ring_backward
     # A unit's backward makes its whole gradient, in bf16 beside a float32 copy (6 bytes a parameter: the sum over the
-    # ranks, the parameters' float32 gradients, the sum over the tiles), in float32 beside this rank's slice of the sum
+    # ranks, the parameters' float32 gradients, the sum over the tiles), in float32 beside this rank's slice of the sum.
+    # On CPU gloo's reduce-scatter (torch's path for it) copies the float32 gradient once more, once the bf16 one is
+    # gone: the sum then holds 8 bytes a parameter and the slice.
     gradient = lambda n: n * (6 if bf16 else 4 + 4 / world_size)
+    summed = lambda n: max(gradient(n), n * (8 + 4 / world_size) if zero != "0" and not cuda else 0)
     # The model state: float32 parameters and AdamW's two moments, 12 bytes a parameter, on every rank or in shards,
     # with two gathered units, the one computing and the one prefetched, and the copy the prefetch sends from.
     # --offload-optimizer keeps the shards in CPU memory with a copy of them in the compute dtype (zero3.py): on a
@@ -176,8 +179,9 @@ def predict_memory(cfg, tokens, batch, sp, ring_size, world_size, zero, cuda, bf
     # (unless --recompute makes it anew for each block).
     after_block_0 = 0 if on_host or accumulate else 4 * (n_params - units[0] - units[1]) * local / n_params
     head = head + gradient(units[-1]) if tiled else max(head, gradient(units[-1]))
+    block_phase = max(layer + gradient(block), summed(block))
     activations = tokens * 4 * 2 * D + max(  # RoPE's cos and sin
-        (0 if offloaded else blocks) + max(head, layer + gradient(block)), after_block_0 + layer + gradient(block))
+        (0 if offloaded else blocks) + max(head, block_phase), after_block_0 + block_phase)
     activations += (4 * local if accumulate and not on_host else 0) + (
         2 * n_params if zero == "0" and bf16 and not cfg.recompute else 0)
     state += 64 * 2**20 if cuda else 0  # cuBLAS's and cuDNN's workspaces: 64 to 80 MiB a GPU (an H100, torch 2.11)
@@ -394,9 +398,9 @@ def dry_run(args, world_size, build, cuda=True):
     arithmetic) in this one process, with a fake process group of world_size ranks (torch's fake_pg: its
     collectives return at once and move nothing), and StorageBytes counts its storages as it counts a real step's.
     build(world_size, mesh, device, host) makes the model, its sharding and its optimizer as the run does, and
-    returns (model, zero, optimizer, parameters, step), step(i) running optimizer step i (train.py's build); the step
-    traced finds AdamW's state made, as a run's measured (last) step does. Returns {"device", "host" (the two peaks,
-    bytes), "rank", "seconds"}.
+    returns (model, zero, optimizer, parameters, step), step(i) running optimizer step i (train.py's build). The
+    step traced is the one a run of --steps measures, its last: after the first, it finds AdamW's state made.
+    Returns {"device", "host" (the two peaks, bytes), "rank", "seconds"}.
 
     It traces on CPU fake tensors (a CPU-only torch cannot fake CUDA ones), so with cuda=True the step decides as a
     GPU would (`as_on_cuda`), and host memory is the meta device: a device apart from the one computing, so that
@@ -409,14 +413,15 @@ def dry_run(args, world_size, build, cuda=True):
         host = torch.device("meta" if cuda else "cpu")
         with FakeTensors(), real_meshes(), as_on_cuda() if cuda else nullcontext():
             model, zero, optimizer, _, step = build(world_size, mesh, torch.device("cpu"), host)
-            params = [p for group in optimizer.param_groups for p in group["params"]]
-            for p in params:  # AdamW makes its state at its first step: here one on zero gradients, so that the
-                p.grad = torch.zeros_like(p)  # step traced finds it, as a run's second step does
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+            last = args.steps - 1  # a run measures its last step, which after the first finds AdamW's state made:
+            if last:  # here by a step on zero gradients
+                for p in (p for group in optimizer.param_groups for p in group["params"]):
+                    p.grad = torch.zeros_like(p)
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
             existing = PeakMemory(model, optimizer, zero, torch.device("cpu")).existing  # a list held no longer
             with StorageBytes(existing(), host=host.type if cuda else None) as counter:  # than needed
-                step(1)
+                step(last)
     finally:
         dist.destroy_process_group()
     return {"device": counter.peak, "host": counter.host_peak, "rank": rank, "seconds": time.perf_counter() - start}

@@ -289,6 +289,8 @@ def test_torchrun_shows_a_flag_it_does_not_know_once():
     (["--rope-base", "0"], r"--rope-base 0 must be a finite number above 0$"),
     (["--intermediate-size", "-1"], r"--intermediate-size -1 must be at least 0$"),
     (["--loss-tiles", "-1"], r"--loss-tiles -1 must be at least 0$"),
+    (["--plan", "2x80", "--dry-run", "--layer-pattern", "da", "--gdn-parallel", "context"],
+     r"--dry-run cannot trace --gdn-parallel context: .*; use --gdn-parallel ulysses$"),
 ])
 def test_the_flags_of_plans_and_real_shapes_refuse_bad_values(monkeypatch, argv, message):
     """--dry-run, --offload-optimizer and the flags of a real model's shape: a value a run cannot use is one line, and
