@@ -560,7 +560,7 @@ def draw_plans(rows, gib, path):
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print(f"no picture: matplotlib is not installed (the table above is the result)")
+        print("no picture: matplotlib is not installed (the table above is the result)")
         return
     gpus = [g for g, _, _ in rows]
     series = [("ALST (reported)", "s-", [ALST[g] for g in gpus]),

@@ -8,9 +8,19 @@ obvious single-device computation in float32.
 
 pytest loads this file before the test files; they import what they need from it by name
 (`from conftest import run_ranks`).
+
+No test can stall the suite: each has a time limit (LIMIT seconds, or its own `@pytest.mark.limit(seconds)`),
+the rank processes' gloo group gives up on a collective after GROUP_TIMEOUT seconds, and every process a test
+starts (rank processes, torchrun and its workers) is ended when the test ends, whether it passed or failed.
 """
 
+import contextlib
+import datetime
+import io
 import os
+import re
+import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -25,8 +35,15 @@ import torch.multiprocessing as mp
 from torch.distributed.device_mesh import init_device_mesh
 
 import launch
+import train
+import ulysses
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+if "OMP_NUM_THREADS" not in os.environ:  # one thread a process, this one and those it starts: the tests' models are
+    os.environ["OMP_NUM_THREADS"] = "1"  # small, and on a busy machine threads that wait for each other take many
+    torch.set_num_threads(1)  # times as long (train.py then leaves the thread count alone)
+LIMIT = 240  # seconds a test may run, unless it says otherwise (@pytest.mark.limit): the longest takes 30 s idle
+GROUP_TIMEOUT = 60  # seconds a collective of the rank processes waits for its peers (gloo's default: 30 minutes)
 
 
 # ================================================================================================================
@@ -44,7 +61,8 @@ def _worker(rank, world_size, port, fn, args, result_dir):
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
     torch.set_num_threads(1)
     warnings.filterwarnings("error", module="ulysses")  # a collective that gloo never let go of fails the test
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=GROUP_TIMEOUT))
     result = fn(rank, world_size, *args)
     torch.save(result, os.path.join(result_dir, f"{rank}.pt"))
     dist.barrier()  # no rank tears the group down while another still talks to it
@@ -61,11 +79,33 @@ def pytest_collection_finish(session):
 
 def run_ranks(world_size, fn, *args):
     """Run fn(rank, world_size, *args) on world_size gloo processes; return the list of what each rank returned.
-    fn must be a top-level function of a test file."""
+    fn must be a top-level function of a test file (or of this one)."""
     with tempfile.TemporaryDirectory() as result_dir:
-        mp.start_processes(_worker, args=(world_size, free_port(), fn, args, result_dir), nprocs=world_size,
-                           start_method="forkserver")
+        ranks = mp.start_processes(_worker, args=(world_size, free_port(), fn, args, result_dir), nprocs=world_size,
+                                   join=False, start_method="forkserver")
+        _running.extend(ranks.processes)  # ended with the test, should it fail or run out of time first
+        while not ranks.join():  # returns once every rank has ended; raises if one failed
+            pass
         return [torch.load(os.path.join(result_dir, f"{r}.pt"), weights_only=False) for r in range(world_size)]
+
+
+def train_rank(rank, world_size, runs):
+    """train.main once per run on this rank (for run_ranks); a run is its argv, or (argv, a checkpoint that rank 0
+    first copies into the run's --out-dir, for it to resume from). Returns each run's (metrics, what it printed)."""
+    results = []
+    for entry in runs:
+        argv, resume_from = entry if isinstance(entry, tuple) else (entry, None)
+        if resume_from:
+            if rank == 0:
+                out_dir = argv[argv.index("--out-dir") + 1]
+                shutil.copytree(resume_from, os.path.join(out_dir, os.path.basename(resume_from)))
+            if dist.is_initialized():
+                dist.barrier()
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):
+            history = train.main(argv)
+        results.append((history, printed.getvalue()))
+    return results
 
 
 # ================================================================================================================
@@ -73,47 +113,89 @@ def run_ranks(world_size, fn, *args):
 
 
 def torchrun(nproc, *argv):
-    """The command line of train.py under torchrun on this machine."""
+    """The command line of train.py under torchrun on this machine (argv: torchrun's own flags)."""
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *argv,
             "train.py"]
 
 
-def torchrun_patched(tmp_path, patch, argv, timeout=120):
-    """train.py's main under torchrun on 2 ranks, after `patch` (Python source) ran on rank 1 alone. Returns
-    (exit status, output, seconds)."""
+def start(cmd, cwd=HERE, **popen):
+    """Start a command (its output and errors together, as text, in .stdout) as a process of this test: it and
+    every process it starts end with the test."""
+    process = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **popen)
+    _running.append(process)
+    return process
+
+
+def run(cmd, cwd=HERE, timeout=120, **popen):
+    """Run a command to its end, within timeout seconds. Returns (exit status, output, seconds)."""
+    begun = time.monotonic()
+    process = start(cmd, cwd, **popen)
+    output, _ = process.communicate(timeout=timeout)
+    return process.returncode, output, time.monotonic() - begun
+
+
+def exit_statuses(output):
+    """{rank: exit status} of the ranks that failed, from torchrun's closing report ("rank : 1 (local_rank: 1)",
+    then "exitcode : 143 (pid: ...)"); {} when every rank exited 0."""
+    return {int(rank): int(status) for rank, status in
+            re.findall(r"^ +rank +: (\d+) \(local_rank: \d+\)\n +exitcode +: (-?\d+)", output, re.M)}
+
+
+def torchrun_patched(tmp_path, patch, argv, launcher=(), timeout=120):
+    """train.py's main under torchrun on 2 ranks (launcher: torchrun's flags), after `patch` (Python source) ran on
+    rank 1 alone. Returns (exit status, output, seconds)."""
     script = tmp_path / "patched_train.py"
-    script.write_text(f"import os, sys, time\nsys.path.insert(0, {HERE!r})\nimport checkpoint, data, train\n"
-                      f"if os.environ['RANK'] == '1':\n" + "".join(f"    {line}\n" for line in patch.splitlines())
-                      + "train.main()\n")
-    start = time.time()
-    done = subprocess.run(torchrun(2)[:-1] + [str(script), *argv], cwd=HERE, capture_output=True, text=True,
-                          timeout=timeout)
-    return done.returncode, done.stdout + done.stderr, time.time() - start
+    script.write_text(f"import os, signal, sys, time\nsys.path.insert(0, {HERE!r})\nimport checkpoint, data, memory, "
+                      f"train\nif os.environ['RANK'] == '1':\n"
+                      + "".join(f"    {line}\n" for line in patch.splitlines()) + "train.main()\n")
+    return run(torchrun(2, *launcher)[:-1] + [str(script), *argv], timeout=timeout)
 
 
 def start_long_run(tmp_path, extra, timeout=300):
     """torchrun with 2 ranks on a tiny model for 300 steps, saving every 10; once the first checkpoint is written,
     returns (process, out_dir, its worker pids), for a test to kill or stop a worker."""
     out_dir = tmp_path / "run"
-    cmd = torchrun(2, *extra) + ["--steps", "300", "--seq-len", "32", "--n-embd", "32", "--save-every", "10",
-                                 "--out-dir", str(out_dir), "--timeout", str(timeout)]
-    launcher = subprocess.Popen(cmd, cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    launcher = start(torchrun(2, *extra) + ["--steps", "300", "--seq-len", "32", "--n-embd", "32", "--save-every",
+                                            "10", "--out-dir", str(out_dir), "--timeout", str(timeout)])
     deadline = time.time() + 90
     while not (out_dir / "step_000010").exists() and time.time() < deadline and launcher.poll() is None:
         time.sleep(0.05)
-    workers = workers_of(launcher.pid)
+    workers = children(launcher.pid)
     assert len(workers) == 2, "the workers were not found"
     return launcher, out_dir, workers
 
 
-def workers_of(launcher_pid):
-    """The pids of a torchrun's worker processes (its children), in order."""
-    workers = []
-    for pid in (p for p in os.listdir("/proc") if p.isdigit()):
-        with open(f"/proc/{pid}/stat") as f:
-            if f.read().rsplit(")", 1)[1].split()[1] == str(launcher_pid):
-                workers.append(int(pid))
-    return sorted(workers)
+def children(pid):
+    """The pids of a process's children (a torchrun's are its workers), in order."""
+    found = []
+    for child in (p for p in os.listdir("/proc") if p.isdigit()):
+        with contextlib.suppress(OSError), open(f"/proc/{child}/stat") as f:
+            if f.read().rsplit(")", 1)[1].split()[1] == str(pid):
+                found.append(int(child))
+    return sorted(found)
+
+
+_running = []  # what the running test started: subprocess.Popen and rank processes (multiprocessing.Process)
+
+
+def end_processes():
+    """End every process the test started that is still running, and every process those started (torchrun
+    starts each worker in a session of its own, so only the family tree finds them): SIGSTOP, SIGKILL, reap."""
+    while _running:
+        process = _running.pop()
+        if (process.poll() if isinstance(process, subprocess.Popen) else process.exitcode) is not None:
+            continue  # ended, and reaped: its pid may be another process's by now
+        family, unseen = [], [process.pid]
+        while unseen:  # the whole tree first, each stopped before its children are read, so that none starts another
+            for pid in unseen:  # meanwhile; a worker whose launcher is gone has no parent to be found by
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGSTOP)
+            family += unseen
+            unseen = [child for pid in unseen for child in children(pid)]
+        for pid in family:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        process.wait() if isinstance(process, subprocess.Popen) else process.join()
 
 
 def usp_groups(U, R):
@@ -155,8 +237,50 @@ def grads(model):
     return {name: p.grad for name, p in model.named_parameters()}
 
 
+def summed(per_rank):
+    """{name: the sum over the ranks} of one {name: tensor} a rank: each rank's gradient of its own tokens' loss,
+    summed, is the gradient of the whole batch's."""
+    return {name: sum(rank[name] for rank in per_rank) for name in per_rank[0]}
+
+
+def whole_sequence(parts, indices=None):
+    """The full [B, S, ...] tensor from each rank's [B, S/P, ...] part: in rank order, or each part at its rank's
+    token indices (a ring's zigzag order; my_tokens)."""
+    if indices is None:
+        return torch.cat(parts, dim=1)
+    full = parts[0].new_zeros(parts[0].shape[0], sum(len(index) for index in indices), *parts[0].shape[2:])
+    for index, part in zip(indices, parts):
+        full[:, index] = part
+    return full
+
+
+def attention_and_grads(q, k, v, grad_out, attn_fn=ulysses.causal_attention, **kwargs):
+    """One device: attn_fn(q, k, v, **kwargs) over the whole sequence and the gradients of q, k and v for
+    grad_out: [output, dq, dk, dv]."""
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    out = attn_fn(q, k, v, **kwargs)
+    out.backward(grad_out)
+    return [out.detach(), q.grad, k.grad, v.grad]
+
+
+def bytes_line(printed, what="all-to-all"):
+    """From train.py's summary, the line of `what` ("all-to-all", "ring", "context-parallel Gated DeltaNet"):
+    [bytes sent, the formula's bytes] and, where the line gives them, [calls forward, calls backward] per layer
+    and micro-step."""
+    line = re.search(rf"^{what} of rank 0 per step: ([\d,]+) bytes sent \(formula ([\d,]+) bytes\)"
+                     rf"(?:; \w+ per layer per micro-step: ([\d.]+) forward, ([\d.]+) backward)?$", printed, re.M)
+    assert line, f"no {what} line in: {printed}"
+    return [float(n.replace(",", "")) for n in line.groups() if n is not None]
+
+
 # ================================================================================================================
 # Inputs that several test files use
+
+
+def my_tokens(S, group, ring_group=None):
+    """The global indices of this rank's tokens of a sequence of S, in the order shard_for_sp gives them (with a
+    ring group, the zigzag order): [S/P]."""
+    return ulysses.shard_for_sp(*[torch.arange(S)[None]] * 3, group, ring_group)[0][0]
 
 
 def sp_slice(full, rank, world_size, dim=1):
@@ -200,30 +324,66 @@ def zero_batch():
 # text for train.py --data
 PARAGRAPHS = "\n\n".join(f"paragraph {i}: " + "ab " * (i % 7) for i in range(40))  # 40 of 13 to 33 bytes
 
+
+@pytest.fixture
+def text_file(tmp_path):
+    """A file of PARAGRAPHS, for --data."""
+    path = tmp_path / "text.txt"
+    path.write_text(PARAGRAPHS)
+    return path
+
+
+@pytest.fixture
+def one_rank(monkeypatch):
+    """train.main in this process is a run of one rank, whatever the environment says."""
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("RANK", "0")
+
+
 # runs of train.py in this process that save every 3 steps, for the checkpoint and failure tests
 SHORT_RUN = ["--steps", "6", "--save-every", "3", "--n-layer", "2", "--n-embd", "32", "--seq-len", "32"]
 
 
 # ================================================================================================================
-# A line of progress while a test runs
+# Each test: its time limit, the end of the processes it started, a line of progress while it runs
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "limit(seconds): the test's time limit, in place of conftest.LIMIT")
 
 
 @pytest.hookimpl(wrapper=True, trylast=True)  # trylast: inside the capture of the call
 def pytest_runtest_call(item):
-    """Every 10 s of a test, how long it has run, on the terminal (after its name with -v): a multi-rank test takes
+    """The test's time limit (SIGALRM interrupts whatever the test waits on: a rank, a subprocess, a sleep), and
+    the end of every process it started, pass or fail.
+
+    Every 10 s of a test, how long it has run, on the terminal (after its name with -v): a multi-rank test takes
     up to half a minute here, and the suite should never sit silent that long. The thread lives inside the test's
     call, while pytest captures its output, and lifts the capture for the moment it writes, as pytest's own live
     logging does; what the test prints in that moment reaches the terminal instead."""
-    plugins = item.config.pluginmanager
-    reporter, capture = plugins.get_plugin("terminalreporter"), plugins.get_plugin("capturemanager")
-    if not (reporter and capture):  # absent under -p no:terminal or -p no:capture
-        return (yield)
-    start = time.monotonic()
+    marker = item.get_closest_marker("limit")
+    limit = marker.args[0] if marker else LIMIT
 
-    def tick():
-        if time.monotonic() - start >= 10:  # not at the start
-            with capture.global_and_fixture_disabled():
-                reporter.write(f" {time.monotonic() - start:.0f} s", flush=True)
+    def out_of_time(signum, frame):
+        pytest.fail(f"{item.name} ran past its limit of {limit} s; its processes are ended", pytrace=False)
 
-    with launch.repeating(tick, 10):
-        return (yield)
+    before = signal.signal(signal.SIGALRM, out_of_time)
+    signal.alarm(limit)
+    try:
+        plugins = item.config.pluginmanager
+        reporter, capture = plugins.get_plugin("terminalreporter"), plugins.get_plugin("capturemanager")
+        if not (reporter and capture):  # absent under -p no:terminal or -p no:capture
+            return (yield)
+        start = time.monotonic()
+
+        def tick():
+            if time.monotonic() - start >= 10:  # not at the start
+                with capture.global_and_fixture_disabled():
+                    reporter.write(f" {time.monotonic() - start:.0f} s", flush=True)
+
+        with launch.repeating(tick, 10):
+            return (yield)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, before)
+        end_processes()

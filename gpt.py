@@ -256,6 +256,9 @@ class GPT(nn.Module):
     def forward(self, idx, position_ids, labels=None, packed=False):
         """idx, position_ids, labels: [B, S_local], this rank's tokens. position_ids are positions in the full
         sequence, or, with packed=True, in each document (0 where a document starts, and only there)."""
+        if position_ids.shape != idx.shape:  # RoPE would broadcast one against the other, or fail far from here
+            raise ValueError(f"GPT.forward: idx {tuple(idx.shape)}, position_ids {tuple(position_ids.shape)}: want "
+                             f"position_ids of idx's shape, [B, S_local]")
         for group in (self.sp_group, self.ring_group):  # one tiny collective each, before a mismatch could hang
             check_shards(idx, group)
         window = self.cfg.window

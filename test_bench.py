@@ -4,12 +4,11 @@ ulysses_attention computes the same attention and sends the bytes of its formula
 """
 
 import pytest
-import torch
 import torch.distributed as dist
 
 import bench
 import ulysses
-from conftest import assert_all_close, qkv, run_ranks, sp_slice
+from conftest import assert_all_close, attention_and_grads, qkv, run_ranks, sp_slice, whole_sequence
 
 
 BASELINE = dict(S=24, Hq=8, Hkv=4, D=8)  # (c) needs P to divide both head counts
@@ -38,12 +37,8 @@ def test_benchmark_baselines_match_one_device(world_size):
     per_rank = run_ranks(world_size, _baselines_rank)
     P, (S, Hq, Hkv, D) = world_size, BASELINE.values()
     for i, (B, name) in enumerate((B, name) for B in (1, 2) for name in ("(c)", "(d)")):
-        q, k, v, grad_out = qkv(B, S, Hq, Hkv, D)
-        q, k, v = (t.requires_grad_() for t in (q, k, v))
-        out = ulysses.causal_attention(q, k, v)
-        out.backward(grad_out)
-        got = [torch.cat(pieces, dim=1) for pieces in zip(*(r[i][0] for r in per_rank))]
-        assert_all_close(got, [out, q.grad, k.grad, v.grad], where=f"{name} B={B}")
+        got = [whole_sequence(parts) for parts in zip(*(r[i][0] for r in per_rank))]
+        assert_all_close(got, attention_and_grads(*qkv(B, S, Hq, Hkv, D)), where=f"{name} B={B}")
         head = B * S // P * D * 4  # bytes of one head of a rank's tokens, float32
         formula = {"(c)": 2 * (Hq + 2 * Hkv + Hq) * head * (P - 1) // P,  # (P-1)/P of q, k, v and out, both ways
                    "(d)": 4 * Hkv * head * (P - 1)}[name]  # k and v to every other rank, their gradients back

@@ -28,6 +28,30 @@ def test_copy_task_samples_depend_only_on_seed_and_index():
     assert sorted(drawn) == list(range(4 * 30, 5 * 30))
 
 
+@pytest.mark.parametrize("seq_len", [64, 13], ids=["64", "13"])
+def test_packed_copy_samples_are_whole_copy_documents(seq_len):
+    """--pack on the copy task: documents of n + 1 to 4n tokens (n = seq_len // 8, at least 1) back to back, cut at
+    the sequence length; each repeats its first n tokens, scored from the first copied token to its last but one;
+    positions count from 0 at each document's start, and only there. A sample depends on (seed, index) alone."""
+    n = max(1, seq_len // 8)
+    for index in range(5):
+        tokens, labels, position_ids = data.make_sample(index, seq_len, pack=True, seed=2)
+        assert all(torch.equal(a, b) for a, b in zip((tokens, labels, position_ids),
+                                                     data.make_sample(index, seq_len, pack=True, seed=2)))
+        assert not torch.equal(tokens, data.make_sample(index, seq_len, pack=True, seed=3)[0])
+        starts = (position_ids == 0).nonzero().flatten().tolist() + [seq_len]
+        assert starts[0] == 0 and len(starts) > 2  # more than one document in every sample
+        for first, end in zip(starts, starts[1:]):
+            doc, doc_labels = tokens[first:end].tolist(), labels[first:end].tolist()
+            assert position_ids[first:end].tolist() == list(range(end - first))
+            assert doc == [doc[i % n] for i in range(len(doc))]  # its first n tokens, repeated
+            expected = [-100] * (n - 1) + doc[n:] + [-100]  # the next token, within the document
+            if end < seq_len:
+                assert n + 1 <= len(doc) <= 4 * n and doc_labels == expected
+            else:  # the last document may go on past the cut: its last label is a token this sample lacks
+                assert doc_labels[:-1] == expected[:len(doc) - 1]
+
+
 def test_text_samples_are_windows_or_paragraphs(tmp_path):
     """--data: a window of the bytes with the next byte as label; or (--pack) paragraphs back to back, positions
     restarting at each, and no label across a document's end."""

@@ -13,7 +13,8 @@ import torch.nn.functional as F
 
 import deltanet
 import ulysses
-from conftest import assert_all_close, grads, packed_batch, run_ranks, sp_slice, usp_groups
+from conftest import (assert_all_close, grads, my_tokens, packed_batch, run_ranks, sp_slice, summed, usp_groups,
+                      whole_sequence)
 from gpt import GPTConfig
 
 
@@ -91,16 +92,22 @@ def test_gated_deltanet_layer_under_sp(world_size):
     uses its heads' slices, and their gradients reach the whole parameters once) equal one device: today's shape
     in float32, and 2 key heads for 4 value heads with key dim 8 and value dim 12 in float32 and float64 (at sp 3
     the value heads split 2, 1, 1 and key head 1 goes to two ranks), one document a row and packed documents.
-    Each rank sends the bytes of the layer's formula."""
+    Each rank sends the bytes of the layer's formula; where sp divides both head counts, the bytes counted by
+    hand too: each all-to-all sends the (P-1)/P of its input that the other ranks hold, forward q and k (Dk a key
+    head), v, b and a (Dv + 2 a value head) and the output back (Dv a value head), backward their gradients."""
     per_rank = run_ranks(world_size, _deltanet_rank)
-    cases = [case for case in GDN_CASES for _ in range(2)]
-    for i, ((out, input_grad, reference_grads, _, _), (_, _, tolerance)) in enumerate(zip(_deltanet_rank(0, 1), cases)):
+    P, cases = world_size, [case for case in GDN_CASES for _ in range(2)]
+    for i, ((out, input_grad, reference_grads, _, _), (cfg, dtype, tolerance)) in enumerate(zip(_deltanet_rank(0, 1),
+                                                                                                 cases)):
         where = f"sp {world_size}, case {i}"
-        assert_all_close(torch.cat([r[i][0] for r in per_rank], dim=1), out, tolerance, tolerance, where)
-        assert_all_close(torch.cat([r[i][1] for r in per_rank], dim=1), input_grad, tolerance, tolerance, where)
-        summed = {name: sum(r[i][2][name] for r in per_rank) for name in reference_grads}
-        assert_all_close(summed, reference_grads, tolerance, tolerance, where)
+        assert_all_close(whole_sequence([r[i][0] for r in per_rank]), out, tolerance, tolerance, where)
+        assert_all_close(whole_sequence([r[i][1] for r in per_rank]), input_grad, tolerance, tolerance, where)
+        assert_all_close(summed([r[i][2] for r in per_rank]), reference_grads, tolerance, tolerance, where)
         assert all(r[i][3] == r[i][4] for r in per_rank), [(r[i][3], r[i][4]) for r in per_rank]
+        Hk, Hv, Dk, Dv = cfg.gdn_k_heads, cfg.gdn_v_heads, cfg.gdn_k_dim, cfg.gdn_v_dim
+        if Hk % P == 0 and Hv % P == 0:
+            local = 2 * 24 // P * (2 * Hk * Dk + Hv * (Dv + 2) + Hv * Dv) * dtype.itemsize  # bytes, B 2 x S/P tokens
+            assert [r[i][3] for r in per_rank] == [(local * (P - 1) // P,) * 2] * P, where
 
 
 def test_gated_deltanet_runs_in_float32_under_bf16(monkeypatch):
@@ -180,7 +187,7 @@ def _layer_results(layer, index, dtype):
 
 def _context_rank(rank, world_size, U, R):
     groups = usp_groups(U, R)
-    index = ulysses.shard_for_sp(*[torch.arange(S)[None]] * 3, *groups)[0][0]  # (S/P,): my global tokens
+    index = my_tokens(S, *groups)  # (S/P,): my global tokens
     return index, [_layer_results(_layer(case, dtype, "context", groups), index, dtype) for case, dtype, _ in CASES]
 
 
@@ -195,12 +202,11 @@ def test_context_layer_equals_one_device(U, R):
     assert sorted(torch.cat([index for index, _ in per_rank]).tolist()) == list(range(S))
     for c, (case, dtype, tolerance) in enumerate(CASES):
         reference = _layer_results(_layer(case, dtype, "ulysses"), torch.arange(S), dtype)
+        indices = [index for index, _ in per_rank]
         for d, (out, input_grad, parameter_grads, _, _) in enumerate(reference):
             where = f"U {U} x R {R}, case {c}, {'packed' if d else 'one document a row'}"
-            got_out, got_grad = torch.zeros_like(out), torch.zeros_like(input_grad)
-            for index, results in per_rank:
-                got_out[:, index], got_grad[:, index] = results[c][d][0], results[c][d][1]
-            assert_all_close([got_out, got_grad], [out, input_grad], tolerance, tolerance, where)
-            summed = {name: sum(results[c][d][2][name] for _, results in per_rank) for name in parameter_grads}
-            assert_all_close(summed, parameter_grads, tolerance, tolerance, where)
+            got = [whole_sequence([results[c][d][k] for _, results in per_rank], indices) for k in (0, 1)]
+            assert_all_close(got, [out, input_grad], tolerance, tolerance, where)
+            assert_all_close(summed([results[c][d][2] for _, results in per_rank]), parameter_grads, tolerance,
+                             tolerance, where)
             assert all(results[c][d][3] == results[c][d][4] for _, results in per_rank), where

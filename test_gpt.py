@@ -1,8 +1,10 @@
 """
 Tests of gpt.py, the whole model, against one device: loss and every gradient under SP 2, 3 and 4 with padding,
 GQA and uneven heads; packed documents under SP, no document seeing another; a packed batch against each
-document alone; tiles and recomputation against the plain model.
+document alone; position ids of the wrong shape named; tiles and recomputation against the plain model.
 """
+
+import re
 
 import pytest
 import torch
@@ -10,7 +12,7 @@ import torch.distributed as dist
 
 import data
 import ulysses
-from conftest import DOC_LENGTHS, assert_all_close, grads, packed_batch, run_ranks, zero_batch
+from conftest import DOC_LENGTHS, assert_all_close, grads, packed_batch, run_ranks, summed, whole_sequence, zero_batch
 from gpt import GPT, GPTConfig
 
 
@@ -43,8 +45,8 @@ def test_gpt_with_sp_matches_one_device(world_size):
     for i, (reference_loss, reference_grads) in enumerate(_gpt_loss_and_grads(GPT_CASES, None)):
         # each rank holds the loss of its own tokens, and the gradient of it; summed they are the whole batch's
         torch.testing.assert_close(sum(r[i][0] for r in per_rank), reference_loss, rtol=1e-5, atol=1e-6)
-        summed = {name: sum(r[i][1][name] for r in per_rank) for name in reference_grads}
-        assert_all_close(summed, reference_grads, rtol=1e-4, atol=1e-6, where=str(GPT_CASES[i]))
+        assert_all_close(summed([r[i][1] for r in per_rank]), reference_grads, rtol=1e-4, atol=1e-6,
+                         where=str(GPT_CASES[i]))
 
 
 def _packed_model(group, pattern, window=0):
@@ -75,12 +77,12 @@ def test_packed_documents_under_sp(world_size, pattern):
     batch, for causal and sliding-window attention and for Gated DeltaNet (da: a DeltaNet layer, then softmax
     attention), and no document sees another."""
     per_rank = run_ranks(world_size, _packed_rank, pattern)
-    sp_results = [(torch.cat([r[i][0] for r in per_rank], dim=1)[:, :32],
-                   {n: sum(r[i][1][n] for r in per_rank) for n in per_rank[0][i][1]}) for i in range(3)]
-    for (logits, summed), window in zip(sp_results, (0, 5)):
+    sp_results = [(whole_sequence([r[i][0] for r in per_rank])[:, :32], summed([r[i][1] for r in per_rank]))
+                  for i in range(3)]
+    for (logits, grads_summed), window in zip(sp_results, (0, 5)):
         reference_logits, reference_grads = _packed_run(None, pattern, window)
         torch.testing.assert_close(logits, reference_logits, rtol=1e-5, atol=1e-5)
-        assert_all_close(summed, reference_grads, rtol=1e-4, atol=1e-6, where=f"window {window}")
+        assert_all_close(grads_summed, reference_grads, rtol=1e-4, atol=1e-6, where=f"window {window}")
     # no leakage: new tokens in document 1 change its own logits and nothing else
     logits, changed = sp_results[0][0], sp_results[2][0]
     for row, order in ((0, [0, 1, 2, 3]), (1, [3, 2, 1, 0])):
@@ -96,15 +98,30 @@ def test_packed_documents_under_sp(world_size, pattern):
 
 @pytest.mark.parametrize("pattern", ["a", "da"])
 def test_packed_batch_equals_documents_alone(pattern):
-    """Each document of a packed batch gets exactly the logits it gets when run alone from position 0."""
+    """Each document of a packed batch, in both rows (the second has the documents in another order, and opens
+    with one continued from an earlier sample), gets exactly the logits it gets when run alone, at its positions."""
     model = _packed_model(None, pattern)
     inputs, _, position_ids = packed_batch()
     packed_logits = model(inputs, position_ids, packed=True)  # (2, 32, vocab)
-    offset = 0
-    for n in DOC_LENGTHS:
-        alone = model(inputs[:1, offset:offset + n], torch.arange(n)[None])  # (1, n, vocab), plain causal
-        torch.testing.assert_close(packed_logits[:1, offset:offset + n], alone, rtol=1e-5, atol=1e-5)
-        offset += n
+    for row, lengths in ((0, DOC_LENGTHS), (1, DOC_LENGTHS[::-1])):
+        offset = 0
+        for n in lengths:
+            span = slice(offset, offset + n)
+            alone = model(inputs[row:row + 1, span], position_ids[row:row + 1, span])  # (1, n, vocab), plain causal
+            torch.testing.assert_close(packed_logits[row:row + 1, span], alone, rtol=1e-5, atol=1e-5,
+                                       msg=lambda m: f"row {row}, tokens {span}: {m}")
+            offset += n
+
+
+@pytest.mark.parametrize("shape", [(2, 5), (4,), (2, 3)], ids=["one-too-long", "1d", "one-too-short"])
+def test_position_ids_of_the_wrong_shape_are_named(shape):
+    """GPT.forward with position ids of another shape than the tokens': one line naming the argument, its shape
+    and the shape it wants, before RoPE could broadcast them or fail with a message about tensors a and b."""
+    model = _packed_model(None, "a")
+    idx = torch.zeros(2, 4, dtype=torch.long)
+    with pytest.raises(ValueError, match=rf"^GPT.forward: idx \(2, 4\), position_ids {re.escape(str(shape))}: want "
+                                         rf"position_ids of idx's shape, \[B, S_local\]$"):
+        model(idx, torch.zeros(shape, dtype=torch.long))
 
 
 def test_gpt_tiled_and_recomputed_equals_plain():

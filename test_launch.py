@@ -10,7 +10,6 @@ import io
 import os
 import re
 import signal
-import subprocess
 import sys
 import time
 
@@ -22,8 +21,8 @@ from tqdm import tqdm
 import bench
 import launch
 import train
-from conftest import (HERE, PARAGRAPHS, SHORT_RUN, free_port, start_long_run, torchrun, torchrun_patched,
-                      workers_of)
+from conftest import (HERE, PARAGRAPHS, SHORT_RUN, children, exit_statuses, free_port, run, start, start_long_run,
+                      torchrun, torchrun_patched)
 from gpt import GPT, GPTConfig
 
 
@@ -96,26 +95,31 @@ def test_help_shows_the_defaults(capsys, script, argv):
         assert "(default: " in printed if argv else "attention,tiled" in printed
 
 
-def test_torchrun_shows_the_error_line_once(tmp_path):
-    """Under torchrun every rank finds the mistake; its line is printed once, before torchrun's own report."""
-    done = subprocess.run(torchrun(4) + ["--lr", "nan"], cwd=HERE, capture_output=True, text=True, timeout=120)
-    output = done.stdout + done.stderr
-    assert done.returncode != 0
+def test_torchrun_shows_the_error_line_once():
+    """Under torchrun every rank finds the mistake; its line is printed once, before torchrun's own report, and
+    every rank exits 1."""
+    status, output, _ = run(torchrun(2) + ["--lr", "nan"])
+    assert status != 0 and exit_statuses(output) == {0: 1, 1: 1}, output[-3000:]
     assert output.count("train.py: error: --lr nan must be a finite number above 0") == 1
     assert output.count("train.py: error:") == 1  # the other ranks leave without a line, torchrun's SIGTERM too
     assert output.index("train.py: error:") < output.index("FAILED")
 
 
-def test_an_error_on_one_rank_stops_every_rank_with_its_line(tmp_path):
-    """The data file missing on one machine: that rank's line, printed once, and every rank stops at once, not
-    after --timeout."""
-    text = tmp_path / "text.txt"
-    text.write_text(PARAGRAPHS)
-    status, output, seconds = torchrun_patched(tmp_path, "def read_documents(*args):\n"
-                                                "    raise ValueError('no such file or directory')\n"
-                                                "data.read_documents = read_documents", ["--data", str(text)])
+@pytest.mark.parametrize("patch, line", [
+    ("def read_documents(*args):\n"
+     "    raise ValueError('no such file or directory')\n"
+     "data.read_documents = read_documents", "--data {text}: no such file or directory"),
+    ("import io\n"  # this machine shows 1 MiB of available memory
+     "memory.open = lambda path, *args: io.StringIO('MemAvailable: 1024 kB') if path == '/proc/meminfo' else "
+     "open(path, *args)", "this run would need 0.0 GiB per rank for 64 tokens a rank"),
+], ids=["data-missing", "less-memory"])
+def test_an_error_on_one_rank_stops_every_rank_with_its_line(tmp_path, text_file, patch, line):
+    """The data file missing on one machine, or less free memory there than the run needs: that rank's line,
+    printed once, and every rank stops at once with exit status 1, not after --timeout."""
+    status, output, seconds = torchrun_patched(tmp_path, patch, ["--data", str(text_file)])
     assert status != 0 and seconds < 30, output[-3000:]
-    assert output.count(f"train.py: error: rank 1: --data {text}: no such file or directory") == 1, output[-3000:]
+    assert output.count(f"train.py: error: rank 1: {line.format(text=text_file)}") == 1, output[-3000:]
+    assert exit_statuses(output) == {0: 1, 1: 1}, output[-3000:]
 
 
 def test_hung_rank_ends_the_run_within_the_timeout(tmp_path):
@@ -176,16 +180,16 @@ def _two_nodes(tmp_path, argv, after_start=None, timeout=90, node_argv=((), ()))
     port, launchers = free_port(), []
     for node in (0, 1):
         (tmp_path / f"node{node}").mkdir(exist_ok=True)
-        launchers.append(subprocess.Popen(
+        launchers.append(start(
             [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
              "--nproc_per_node", "1", "--master-addr", "127.0.0.1", "--master-port", str(port),
              os.path.join(HERE, "train.py"), "--n-embd", "32", "--seq-len", "32", *argv, *node_argv[node]],
-            cwd=tmp_path / f"node{node}", stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    start = time.time()
+            cwd=tmp_path / f"node{node}"))
+    begun = time.time()
     if after_start:
         after_start(launchers)
     outputs = [launcher.communicate(timeout=timeout)[0] for launcher in launchers]
-    return [(launcher.returncode, output) for launcher, output in zip(launchers, outputs)], time.time() - start
+    return [(launcher.returncode, output) for launcher, output in zip(launchers, outputs)], time.time() - begun
 
 
 def test_a_file_missing_on_one_node_fails_both_nodes(tmp_path):
@@ -226,7 +230,7 @@ def test_a_node_killed_mid_run_is_named_by_the_other(tmp_path):
         while not (tmp_path / "node0" / "m.jsonl").exists() and time.time() < deadline:
             time.sleep(0.1)  # rank 0 opens its --metrics file when training starts
         time.sleep(1)
-        os.kill(workers_of(launchers[1].pid)[0], signal.SIGKILL)
+        os.kill(children(launchers[1].pid)[0], signal.SIGKILL)
 
     nodes, seconds = _two_nodes(tmp_path, ["--steps", "100000", "--metrics", "m.jsonl", "--timeout", "20"],
                                 kill_node_1_once_training)
@@ -256,10 +260,8 @@ def test_nodes_that_disagree_are_refused(tmp_path, node_argv, what):
 def test_ctrl_c_ends_every_rank_with_one_line(tmp_path):
     """Ctrl-C at a terminal sends SIGINT to torchrun and its workers: each rank ends at once with one line, and no
     traceback of ours."""
-    launcher = subprocess.Popen(torchrun(2) + ["--steps", "100000", "--n-embd", "32", "--seq-len", "32",
-                                               "--metrics", str(tmp_path / "m.jsonl")],
-                                cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                start_new_session=True)
+    launcher = start(torchrun(2) + ["--steps", "100000", "--n-embd", "32", "--seq-len", "32", "--metrics",
+                                    str(tmp_path / "m.jsonl")], start_new_session=True)  # a group, as a terminal's
     deadline = time.time() + 60
     while not (tmp_path / "m.jsonl").exists() and time.time() < deadline:
         time.sleep(0.1)  # training has started
@@ -272,9 +274,10 @@ def test_ctrl_c_ends_every_rank_with_one_line(tmp_path):
 
 
 def test_torchrun_shows_a_flag_it_does_not_know_once():
-    done = subprocess.run(torchrun(4) + ["--no-such-flag"], cwd=HERE, capture_output=True, text=True, timeout=120)
-    assert done.returncode != 0
-    assert (done.stdout + done.stderr).count("unrecognized arguments: --no-such-flag") == 1
+    """argparse's mistakes under torchrun: printed once (by rank 0), and every rank exits 2, as argparse does."""
+    status, output, _ = run(torchrun(2) + ["--no-such-flag"])
+    assert status != 0 and exit_statuses(output) == {0: 2, 1: 2}, output[-3000:]
+    assert output.count("unrecognized arguments: --no-such-flag") == 1
 
 
 @pytest.mark.parametrize("argv, message", [

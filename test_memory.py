@@ -1,13 +1,14 @@
 """
-Tests of the memory prediction against what a run holds: the predicted peak per rank within 20% of the peak
-memory.PeakMemory measures; a run that cannot fit is refused before it starts, and --plan prints what would fit; the
-README's --plan lines run as written; a ring run's bytes, plan and memory.
+Tests of memory: memory.StorageBytes, the measurement, against bytes counted by hand; the predicted peak per rank
+within 8% of what PeakMemory measures for eight runs, as README says (a ring run: 20%); a run that cannot fit is refused before it starts, and
+--plan prints what would fit; every --plan line of README fits as written; a ring run's bytes and memory.
 """
 
 import os
 import re
-import subprocess
 import time
+from functools import partial
+from unittest.mock import patch
 
 import pytest
 import torch
@@ -15,7 +16,60 @@ import torch
 import launch
 import memory
 import train
-from conftest import HERE, run_ranks, torchrun
+from conftest import HERE, bytes_line, run_ranks, train_rank
+
+
+PREDICTION_ERROR = 0.08  # README: "the tests hold eight runs to 8%"
+
+
+@torch.library.custom_op("test_memory::plus_one", mutates_args=())
+def plus_one(x: torch.Tensor) -> torch.Tensor:
+    ones = torch.ones_like(x)  # a temporary, freed before the operator returns
+    return x + ones
+
+
+def test_storage_bytes_counts_what_is_alive():
+    """StorageBytes, the measurement behind every peak, against bytes counted by hand (float32: 4 bytes an
+    element): the tensors that exist before count once, however many views of them; a view adds nothing; a tensor
+    freed gives its bytes back; a storage resized to 0 and back, as ZeRO-3 frees and refills its gathered units,
+    counts as it is; an operator's own temporaries count only with inside_operators."""
+    existing, unit = torch.zeros(1000), torch.empty(1000)  # 4,000 bytes each
+    with memory.StorageBytes([existing, existing[:10], unit]) as counter:  # 8,000
+        a = torch.ones(2000)  # 16,000
+        view = a[:100].view(10, 10)  # a view: the same storage
+        b = a * 2  # 24,000
+        del a, view, b  # 8,000
+        unit.untyped_storage().resize_(0)  # 4,000: ZeRO-3 frees a gathered unit
+        c = torch.empty(6000)  # 28,000: the peak (32,000 if the freed unit still counted)
+        del c  # 4,000
+        unit.untyped_storage().resize_(4000)  # 8,000: refilled
+        assert counter.now == 8000
+    assert counter.peak == 28000
+    for inside_operators, peak in ((False, 8000), (True, 12000)):  # x and its result; with the temporary
+        x = torch.zeros(1000)
+        with memory.StorageBytes([x], inside_operators=inside_operators) as counter:
+            plus_one(x)
+        assert counter.peak == peak, inside_operators
+    resize = torch.UntypedStorage.resize_
+    with memory.StorageBytes([], inside_operators=True) as counter:  # counting inside an operator enters it again
+        before = torch.zeros(1000)  # 4,000, made before the operator's call
+        y = plus_one(torch.zeros(10))  # 40 in (freed after the call), a temporary of 40, 40 out
+        del before  # freed after the call: seen freed
+        assert counter.now == y.nbytes == 40
+    assert counter.peak == 4120 and torch.UntypedStorage.resize_ is resize
+
+
+def _measured_peaks(world_size, runs):
+    """The measured peak per rank of the last of 2 steps of each run (batch 1), the busiest rank's."""
+    per_rank = run_ranks(world_size, train_rank, [argv + ["--steps", "2", "--batch-size", "1"] for argv in runs])
+    return [max(rank[i][0][-1]["peak_bytes"] for rank in per_rank) for i in range(len(runs))]
+
+
+def _assert_predicted(argv, world_size, measured, error=PREDICTION_ERROR):
+    args = launch.parse_args(argv + ["--batch-size", "1"])
+    launch.check_args(args, world_size)
+    predicted = memory.predicted(args, world_size)["peak"]
+    assert abs(predicted / measured - 1) < error, (argv, world_size, predicted, measured)
 
 
 MEMORY_RUNS = {1: [["--seq-len", "1024"], ["--seq-len", "4096", "--tiles", "4", "--recompute"]],
@@ -23,24 +77,15 @@ MEMORY_RUNS = {1: [["--seq-len", "1024"], ["--seq-len", "4096", "--tiles", "4", 
                4: [["--seq-len", "4096", "--recompute"], ["--seq-len", "4096", "--tiles", "4"]]}
 
 
-def _memory_rank(rank, world_size, runs):
-    return [train.main(argv + ["--steps", "2", "--batch-size", "1"])[-1]["peak_bytes"] for argv in runs]
-
-
 @pytest.mark.parametrize("world_size", [1, 2, 4])
-def test_memory_prediction_is_within_20_percent(world_size):
+def test_memory_prediction_is_within_8_percent(world_size):
     """train.py's predicted peak per rank against the peak it measures, for sp 1, 2 and 4, with and without
     tiles and recomputation, at 1k and 4k tokens (configurations of BENCHMARKS.md's memory table)."""
-    per_rank = run_ranks(world_size, _memory_rank, MEMORY_RUNS[world_size])
-    for argv, peak in zip(MEMORY_RUNS[world_size], map(max, zip(*per_rank))):  # the busiest rank
-        args = launch.parse_args(argv + ["--batch-size", "1"])
-        launch.check_args(args, world_size)
-        predicted = memory.predicted(args, world_size)["peak"]
-        assert abs(predicted / peak - 1) < 0.2, (argv, predicted, peak)
+    for argv, measured in zip(MEMORY_RUNS[world_size], _measured_peaks(world_size, MEMORY_RUNS[world_size])):
+        _assert_predicted(argv, world_size, measured)
 
 
-def test_a_run_that_cannot_fit_is_refused_and_a_plan_is_printed(monkeypatch, capsys):
-    monkeypatch.setenv("WORLD_SIZE", "1")
+def test_a_run_that_cannot_fit_is_refused_and_a_plan_is_printed(one_rank, capsys):
     start = time.time()
     with pytest.raises(SystemExit, match=r"this run would need [\d,.]+ GiB per rank for 100,000,000 tokens a rank "
                                          r"\(model state .*\), against [\d,.]+ GiB; about [\d,]+ tokens would fit; "
@@ -67,57 +112,43 @@ def test_a_run_that_cannot_fit_is_refused_and_a_plan_is_printed(monkeypatch, cap
     assert "plan: 4 GPUs, sp 4, seq 128: fits" in capsys.readouterr().out
 
 
-def test_readme_plans_run_as_written(capsys):
-    """Every `python train.py --plan ...` line of README runs as written and prints its plan: the line README
-    quotes where it quotes one."""
+def test_readme_plans_fit_as_written(capsys):
+    """Every `python train.py --plan ...` line of README runs as written, and fits (README offers each as a way
+    to train its --seq-len): its line says so and the command succeeds; the line README quotes is the one it prints."""
     with open(os.path.join(HERE, "README.md")) as f:
         readme = f.read()
     commands = re.findall(r"^python train\.py (--plan .*)$", readme, re.M)
     assert len(commands) == 3
     for command in commands:
         capsys.readouterr()
-        try:
-            train.main(command.split())
-        except SystemExit as e:
-            assert e.code == 1  # a plan that does not fit
+        assert train.main(command.split()), command  # a plan that does not fit ends in SystemExit(1)
         printed = capsys.readouterr().out.strip()
-        assert printed.startswith("plan: "), command
+        seq = int(command.split("--seq-len ")[1].split()[0])
+        assert re.match(rf"plan: \d+ GPUs?, sp \d+.*, seq {seq:,}: fits: ", printed), printed
         if "--ring" in command:
             assert f"```\n{printed}\n```" in readme
 
 
-def test_ring_summary_plan_and_memory(capsys, monkeypatch):
-    """Under torchrun, a Ulysses 2 x ring 2 run prints the ring's bytes equal to their formula; --plan names the
-    ring and fits 1M tokens of an 8-kv-head model on 64 GPUs; the predicted peak per rank of a ring run is within
-    20% of the measured one."""
-    done = subprocess.run(torchrun(4) + ["--sp", "4", "--ring", "2", "--n-head", "2", "--steps", "2", "--seq-len", "32",
-                                         "--n-embd", "32"], cwd=HERE, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert re.search(r"ring of rank 0 per step: ([\d,]+) bytes sent \(formula \1 bytes\); sends per layer per "
-                     r"micro-step: 1 forward, 3 backward", done.stdout), done.stdout
-    assert train.main(["--plan", "64x80", "--sp", "64", "--ring", "8", "--n-layer", "32", "--n-embd", "4096",
-                       "--n-head", "32", "--n-kv-head", "8", "--batch-size", "1", "--tiles", "64", "--recompute",
-                       "--offload",
-                       "--seq-len", "1048576"])
-    assert re.match(r"plan: 64 GPUs, sp 64 \(ulysses 8 x ring 8\), seq 1,048,576: fits: ", capsys.readouterr().out)
-    argv = ["--sp", "4", "--ring", "2", "--seq-len", "4096", "--batch-size", "1"]
-    peak = max(peaks[0] for peaks in run_ranks(4, _memory_rank, [argv]))
-    args = launch.parse_args(argv)
-    launch.check_args(args, 4)
-    assert abs(memory.predicted(args, 4)["peak"] / peak - 1) < 0.2, (memory.predicted(args, 4)["peak"], peak)
+def test_ring_bytes_and_memory():
+    """Ulysses 2 x ring 2 on 4 ranks, 4,096 tokens: the summary's ring line against bytes counted by hand (a rank's
+    key/value block is k and v of its Ulysses group's 2,048 tokens, of its 2 heads of 32: 2 * 2,048 * 2 * 32 * 4 =
+    1,048,576 bytes; each layer sends one block forward, and backward the block again and 2 float32 dk/dv
+    accumulators; 2 layers: 8 * 1,048,576 bytes a step), and the predicted peak per rank within 20% of the
+    measured one: the prediction counts the ring's own buffers (its backward's blocks and accumulators, 5.5 MiB
+    here), which live inside the ring's operator, where the measurement does not look (it came out 18% above)."""
+    argv = ["--sp", "4", "--ring", "2", "--seq-len", "4096"]
+    per_rank = run_ranks(4, train_rank, [argv + ["--steps", "2", "--batch-size", "1"]])
+    assert bytes_line(per_rank[0][0][1], "ring") == [8 * 1048576, 8 * 1048576, 1, 3]  # sends: 1 forward, 3 backward
+    _assert_predicted(argv, 4, max(rank[0][0][-1]["peak_bytes"] for rank in per_rank), error=0.2)
 
 
 @pytest.mark.parametrize("world_size, argv", [(4, ["--sp", "4"]), (4, ["--sp", "4", "--ring", "2"])],
                          ids=["sp4", "ulysses2xring2"])
-def test_context_memory_prediction_is_within_20_percent(world_size, argv):
-    """memory.predict_memory counts what the context way keeps: within 20% of the measured peak of the busiest
-    rank, as for the other layouts (test_memory_prediction_is_within_20_percent)."""
-    argv += ["--layer-pattern", "ddda", "--gdn-parallel", "context", "--seq-len", "4096"]
-    peak = max(peaks[0] for peaks in run_ranks(world_size, _memory_rank, [argv]))
-    args = launch.parse_args(argv + ["--batch-size", "1"])
-    launch.check_args(args, world_size)
-    predicted = memory.predicted(args, world_size)["peak"]
-    assert abs(predicted / peak - 1) < 0.2, (predicted, peak)
+def test_context_memory_prediction_is_within_8_percent(world_size, argv):
+    """memory.predict_memory counts what the context way keeps: within 8% of the measured peak of the busiest
+    rank, as for the other layouts (test_memory_prediction_is_within_8_percent)."""
+    argv = argv + ["--layer-pattern", "ddda", "--gdn-parallel", "context", "--seq-len", "4096"]
+    _assert_predicted(argv, world_size, _measured_peaks(world_size, [argv])[0])
 
 
 ZERO3_UNITS = ["--n-layer", "2", "--n-embd", "512", "--seq-len", "64", "--batch-size", "1", "--steps", "2"]
@@ -151,8 +182,29 @@ def test_a_run_that_cannot_fit_the_gpu_is_refused(monkeypatch):
         memory.check_memory(args, 1)
 
 
-from functools import partial  # noqa: E402 (the dry run's tests, below, came later)
-from unittest.mock import patch  # noqa: E402
+M1B = ["--n-layer", "16", "--n-embd", "2048", "--n-head", "16", "--n-kv-head", "4", "--batch-size", "1",
+       "--device", "cuda", "--plan", "1x80"]
+H100_PEAKS = [(["--seq-len", "8192", "--steps", "8"], 18.406), (["--seq-len", "32768", "--steps", "8"], 45.738),
+              (["--seq-len", "131072", "--tiles", "16", "--recompute", "--offload", "--steps", "1"], 15.840),
+              (["--seq-len", "262144", "--tiles", "16", "--recompute", "--offload", "--steps", "1"], 22.542)]  # GiB
+
+
+@pytest.mark.parametrize("argv, measured", H100_PEAKS, ids=["8k", "32k", "128k-offload", "256k-offload"])
+def test_the_cuda_prediction_holds_to_an_h100s_peaks(argv, measured):
+    """The prediction for CUDA against the peaks one H100 measured (torch.cuda.max_memory_allocated of a run's last
+    step; torch 2.11; `python train.py --device cuda` with a 0.7B model in bf16, BENCHMARKS.md's GPU section): within
+    10%. The prediction is for a step after the first, which finds AdamW's moments made; the two offloaded runs
+    measured their first (--steps 1). There the dry run stands in: it traces that first step within 2% of the H100's
+    peak, and the prediction is held to its trace of a second step."""
+    args = launch.parse_args(M1B + argv)
+    launch.check_args(args, 1)
+    predicted = memory.predicted(args, 1)["peak"] / 2**30
+    if args.steps == 1:
+        assert abs(memory.dry_run(args, 1, partial(train.build, args))["device"] / 2**30 / measured - 1) < 0.02
+        args.steps = 2
+        measured = memory.dry_run(args, 1, partial(train.build, args))["device"] / 2**30
+    assert abs(predicted / measured - 1) < 0.1, (argv, predicted, measured)
+
 
 DRY_RUNS = [["--seq-len", "2048"], ["--seq-len", "2048", "--tiles", "4", "--recompute", "--offload-optimizer"],
             ["--seq-len", "2048", "--zero", "fsdp2", "--dtype", "bfloat16"],
@@ -163,7 +215,7 @@ def test_dry_run_equals_the_measured_peak():
     """memory.dry_run traces train.py's real step on fake tensors, in this one process with a fake process group of 2
     ranks, as a CPU runs it: its peak is within 5% of the peak 2 gloo ranks measure running the same step (ZeRO-3,
     tiles and recomputation with the optimizer in host memory, FSDP2 in bf16, a ring with a SwiGLU MLP)."""
-    measured = map(max, zip(*run_ranks(2, _memory_rank, DRY_RUNS)))
+    measured = _measured_peaks(2, DRY_RUNS)
     for argv, peak in zip(DRY_RUNS, measured):
         args = launch.parse_args(argv + ["--batch-size", "1"])
         launch.check_args(args, 2)
