@@ -166,7 +166,7 @@ def parse_args(argv=None):
     p.add_argument("--loss-tiles", type=int, default=0, help="the loss's own tile count, where its logits (vocabulary "
                    "entries a token) want more tiles than the MLP (0: --tiles)")
     p.add_argument("--recompute", action="store_true", help="keep only block inputs for backward; recompute there")
-    p.add_argument("--offload", action="store_true", help="with --recompute, on CUDA: block inputs in CPU memory")
+    p.add_argument("--offload", action="store_true", help="with --recompute, on a GPU: block inputs in CPU memory")
     p.add_argument("--offload-optimizer", action="store_true", help="ZeRO-3's float32 shards, their gradients and "
                    "AdamW's state in CPU memory, and AdamW's step there; the device keeps only the gathered units")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], help="what matmuls, attention and the all-to-alls "
@@ -261,6 +261,9 @@ def check_args(args, world_size):
              "tensors hold no values; drop --pack")
     if args.dry_run and args.compile:
         fail("--dry-run traces the eager step, not compiled code; drop --compile")
+    if args.dry_run and args.ring > 1:
+        fail("--dry-run cannot see inside the ring's operator (its key/value blocks and float32 accumulators), so it "
+             "would count short; drop --dry-run (--plan alone counts them) or --ring")
     if args.dry_run and "d" in args.layer_pattern and args.gdn_parallel == "context":
         fail("--dry-run cannot trace --gdn-parallel context: where each rank's runs of tokens start is computed from "
              "index tensors, and a dry run's tensors hold no values; use --gdn-parallel ulysses")

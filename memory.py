@@ -40,7 +40,6 @@ from torch._library.custom_ops import _maybe_get_opdef
 from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode, unset_fake_temporarily
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
-from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakIdKeyDictionary
 
@@ -276,12 +275,14 @@ def plan(args, build=None):
 
 class PeakMemory:
     """The peak tensor memory of one training step, in bytes, the largest over the ranks (`.bytes`):
-    torch.cuda.max_memory_allocated on CUDA; on CPU, which has no such counter, StorageBytes. On CUDA also the host
-    memory (`.host_bytes`: CPU storages, where --offload and --offload-optimizer keep theirs), by StorageBytes; on
-    CPU the host is the device, and `.host_bytes` is None. Only the measured step pays for the counting."""
+    torch.cuda.max_memory_allocated on CUDA; on CPU, which has no such counter, StorageBytes. On CUDA with host=True
+    (--offload or --offload-optimizer) also the host memory (`.host_bytes`: the CPU storages they keep), by
+    StorageBytes; otherwise `.host_bytes` is None (on CPU the host is the device). Only the measured step pays for
+    the counting."""
 
-    def __init__(self, model, optimizer, zero, device):
+    def __init__(self, model, optimizer, zero, device, host=False):
         self.model, self.optimizer, self.zero, self.device = model, optimizer, zero, device
+        self.host = host and device.type == "cuda"
         self.bytes = self.host_bytes = None
 
     def existing(self):
@@ -303,13 +304,14 @@ class PeakMemory:
         cuda = self.device.type == "cuda"
         if cuda:
             torch.cuda.reset_peak_memory_stats(self.device)
-        with StorageBytes(self.existing(), host="cpu" if cuda else None) as counter:
+        counting = not cuda or self.host  # on a GPU without offloads, nothing to count: the step runs as any other
+        with StorageBytes(self.existing(), host="cpu" if cuda else None) if counting else nullcontext() as counter:
             yield
         peaks = torch.tensor([float(torch.cuda.max_memory_allocated(self.device) if cuda else counter.peak),
-                              float(counter.host_peak)], device=self.device)
+                              float(counter.host_peak if self.host else 0)], device=self.device)
         dist.all_reduce(peaks, op=dist.ReduceOp.MAX)
         self.bytes, host = (int(b) for b in peaks.tolist())
-        self.host_bytes = host if cuda else None
+        self.host_bytes = host if self.host else None
 
 
 class StorageBytes(TorchDispatchMode):
@@ -416,7 +418,8 @@ def dry_run(args, world_size, build, cuda=True):
     GPU would (`as_on_cuda`), and host memory is the meta device: a device apart from the one computing, so that
     what --offload and --offload-optimizer move there counts apart. Fake tensors hold no numbers, so a call that
     reads one (.item(), .tolist()) reads 1 (`FakeTensors`). The rank traced is the busiest (`busiest_rank`)."""
-    rank, start = busiest_rank(args), time.perf_counter()
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend (a test
+    rank, start = busiest_rank(args), time.perf_counter()  # utility of torch's: imported by a dry run alone)
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
         mesh = launch.device_mesh(args, world_size, "cpu")

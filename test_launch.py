@@ -292,6 +292,8 @@ def test_torchrun_shows_a_flag_it_does_not_know_once():
     (["--rope-base", "0"], r"--rope-base 0 must be a finite number above 0$"),
     (["--intermediate-size", "-1"], r"--intermediate-size -1 must be at least 0$"),
     (["--loss-tiles", "-1"], r"--loss-tiles -1 must be at least 0$"),
+    (["--plan", "4x80", "--dry-run", "--ring", "2"], r"--dry-run cannot see inside the ring's operator .*; drop "
+                                                     r"--dry-run \(--plan alone counts them\) or --ring$"),
     (["--plan", "2x80", "--dry-run", "--layer-pattern", "da", "--gdn-parallel", "context"],
      r"--dry-run cannot trace --gdn-parallel context: .*; use --gdn-parallel ulysses$"),
 ])

@@ -208,19 +208,20 @@ def test_the_cuda_prediction_holds_to_an_h100s_peaks(argv, measured):
 
 DRY_RUNS = [["--seq-len", "2048"], ["--seq-len", "2048", "--tiles", "4", "--recompute", "--offload-optimizer"],
             ["--seq-len", "2048", "--zero", "fsdp2", "--dtype", "bfloat16"],
-            ["--seq-len", "2048", "--ring", "2", "--n-kv-head", "2", "--mlp", "swiglu", "--vocab-size", "1000"]]
+            ["--seq-len", "2048", "--n-kv-head", "2", "--mlp", "swiglu", "--vocab-size", "1000"]]
 
 
 def test_dry_run_equals_the_measured_peak():
     """memory.dry_run traces train.py's real step on fake tensors, in this one process with a fake process group of 2
-    ranks, as a CPU runs it: its peak is within 5% of the peak 2 gloo ranks measure running the same step (ZeRO-3,
-    tiles and recomputation with the optimizer in host memory, FSDP2 in bf16, a ring with a SwiGLU MLP)."""
+    ranks, as a CPU runs it: its peak is within 0.5% of the peak 2 gloo ranks measure running the same step (ZeRO-3,
+    tiles and recomputation with the optimizer in host memory, FSDP2 in bf16, GQA with a SwiGLU MLP; they agreed
+    to the byte when this was written)."""
     measured = _measured_peaks(2, DRY_RUNS)
     for argv, peak in zip(DRY_RUNS, measured):
         args = launch.parse_args(argv + ["--batch-size", "1"])
         launch.check_args(args, 2)
         traced = memory.dry_run(args, 2, partial(train.build, args), cuda=False)
-        assert abs(traced["device"] / peak - 1) < 0.05, (argv, traced, peak)
+        assert abs(traced["device"] / peak - 1) < 0.005, (argv, traced, peak)
 
 
 LLAMA_PLAN = ["--model", "llama3-8b", "--n-layer", "2", "--plan", "8x80", "--seq-len", "65536", "--batch-size", "1",

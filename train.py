@@ -146,7 +146,7 @@ def train(args, world_size, mesh, device, documents, resume_from, control):
             samples = args.steps * dp * args.batch_size * args.grad_accum
             print(f"data {args.data}: {data.describe(documents, args.pack, args.seq_len, samples)}")
 
-    peak = memory.PeakMemory(model, optimizer, zero, device)
+    peak = memory.PeakMemory(model, optimizer, zero, device, host=args.offload or args.offload_optimizer)
     metrics = launch.agreed(control, lambda: checkpoint.Metrics(args.metrics, start_step) if rank == 0 and args.metrics
                             else None)  # rank 0 writes it
     history = []
@@ -269,8 +269,9 @@ def summarize(args, history, model, optimizer, n_params, world_size, device, ran
           f"{mib(16 * n_params)}, / {world_size} ranks = {mib(16 * n_params / world_size)}")
     how, predicted = ("torch.cuda.max_memory_allocated" if device.type == "cuda" else "storages counted, last step",
                       memory.predicted(args, world_size))
-    host = history[-1]["host_peak_bytes"]  # None on a CPU, whose host memory is the memory counted
-    host = "the same, on a CPU" if host is None else f"{mib(host)} (predicted {mib(predicted['host'])})"
+    host = history[-1]["host_peak_bytes"]  # counted on a GPU with an offload; a CPU's host is the memory counted
+    host = ("the same, on a CPU" if device.type == "cpu" else "nothing offloaded" if host is None else
+            f"{mib(host)} (predicted {mib(predicted['host'])})")
     print(f"peak tensor memory per rank (max over ranks, {how}): {mib(peak)} (predicted {mib(predicted['peak'])}); "
           f"host memory: {host}")
     a2a = [b for b in model.blocks if b.kind == "a" or args.gdn_parallel == "ulysses"]  # layers with all-to-alls
