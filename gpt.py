@@ -8,8 +8,9 @@ model knows nothing else about SP: it gets the SP group to pass to the all-to-al
 each token (RoPE must rotate token i by i, not by its index inside the shard).
 
 A layer is softmax attention or, in hybrid models (Qwen3-Next: three Gated DeltaNet layers to one softmax layer),
-Gated DeltaNet, a linear attention with a recurrent state, which deltanet.py teaches. The file reads config, RoPE,
-attention, MLP, block, GPT.
+Gated DeltaNet, a linear attention with a recurrent state, which deltanet.py teaches. The MLP is GPT-2's (GELU) or
+Llama's (SwiGLU); `PRESETS` names real shapes (`llama3-8b`: Llama-3-8B's 8.03B parameters, its 128,256-token vocabulary
+and untied head). The file reads config, RoPE, attention, MLP, block, GPT.
 """
 
 from contextlib import nullcontext
@@ -37,7 +38,9 @@ class GPTConfig:
     n_embd: int = 128
     window: int = 0  # > 0: sliding-window attention over the last `window` tokens; 0: full causal attention
     sinks: bool = False  # attention sinks (gpt-oss): a learned logit per query head joins each query's softmax
-    rope_base: float = 10000.0
+    rope_base: float = 10000.0  # RoPE's theta (Llama-3: 500,000)
+    mlp: str = "gelu"  # "gelu": proj(gelu(fc x)), GPT-2's; "swiglu": proj(silu(gate x) * up x), Llama's
+    intermediate_size: int = 0  # the MLP's hidden size; 0: 4 x n_embd
     layer_pattern: str = "a"  # layer i is layer_pattern[i % len]: a = softmax attention, d = Gated DeltaNet
     conv_width: int = 4  # Gated DeltaNet's causal convolution over the sequence
     # Gated DeltaNet's heads: key heads (q and k), value heads (v, the state, the output; a multiple of the key
@@ -53,8 +56,9 @@ class GPTConfig:
     gdn_parallel: str = "ulysses"
     # How to compute, not what: these change memory and time, never the result.
     tiles: int = 1  # > 1: MLP and loss run over this many sequence tiles (tiled.py), never the full activation
+    loss_tiles: int = 0  # the loss's own tile count (its logits are vocab/h times the MLP's input a token); 0: tiles
     recompute: bool = False  # keep only each block's input; recompute the block in backward
-    offload: bool = False  # with recompute, on CUDA: keep those block inputs in CPU memory until backward
+    offload: bool = False  # with recompute, on a GPU: keep those block inputs in host memory until backward
 
     def __post_init__(self):
         if self.n_embd % self.n_head or (self.n_embd // self.n_head) % 2:
@@ -70,11 +74,22 @@ class GPTConfig:
             multiples = ", ".join(str(self.gdn_k_heads * m) for m in range(1, 5))
             raise ValueError(f"gdn_v_heads={self.gdn_v_heads} is not a multiple of gdn_k_heads={self.gdn_k_heads}; "
                              f"choose gdn_v_heads in {{{multiples}, ...}}")
+        self.intermediate_size = self.intermediate_size or 4 * self.n_embd
+        self.loss_tiles = self.loss_tiles or self.tiles
+        if self.mlp not in ("gelu", "swiglu"):
+            raise ValueError(f"mlp={self.mlp!r}: choose 'gelu' or 'swiglu'")
         if self.gdn_parallel not in ("ulysses", "context"):
             raise ValueError(f"gdn_parallel={self.gdn_parallel!r}: choose 'ulysses' or 'context'")
         if not self.layer_pattern or set(self.layer_pattern) - set("ad"):
             raise ValueError(f"layer_pattern={self.layer_pattern!r}: use the letters a (softmax attention) and "
                              f"d (Gated DeltaNet), e.g. 'ddda'")
+
+
+# Real models' shapes, by name (train.py --model NAME; flags given beside it change them). Llama-3-8B: 32 layers of
+# 4,096 with 32 query heads and 8 kv heads of 128, a SwiGLU MLP of 14,336, an embedding and a head of its own over
+# 128,256 tokens: 8,030,261,248 parameters, as Meta's.
+PRESETS = {"llama3-8b": dict(n_layer=32, n_embd=4096, n_head=32, n_kv_head=8, vocab_size=128256, mlp="swiglu",
+                             intermediate_size=14336, rope_base=500000.0)}
 
 
 def rope_cos_sin(position_ids, head_dim, base):
@@ -128,19 +143,32 @@ class Attention(nn.Module):
 
 
 def mlp(x, fc_weight, proj_weight):
-    return F.linear(F.gelu(F.linear(x, fc_weight)), proj_weight)  # (B, s, h) -> (B, s, 4h) -> (B, s, h)
+    return F.linear(F.gelu(F.linear(x, fc_weight)), proj_weight)  # (B, s, h) -> (B, s, I) -> (B, s, h)
+
+
+def swiglu_mlp(x, gate_weight, up_weight, proj_weight):
+    gated = F.silu(F.linear(x, gate_weight)) * F.linear(x, up_weight)  # (B, s, h) -> (B, s, I), twice
+    return F.linear(gated, proj_weight)  # (B, s, I) -> (B, s, h)
 
 
 class MLP(nn.Module):
+    """GPT-2's MLP, or Llama's SwiGLU (a gate beside the up projection); either of them tiled (tiled.py)."""
+
     def __init__(self, cfg):
         super().__init__()
-        self.fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd, bias=False)
-        self.proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd, bias=False)
+        h, I = cfg.n_embd, cfg.intermediate_size
+        if cfg.mlp == "swiglu":
+            self.gate, self.up = nn.Linear(h, I, bias=False), nn.Linear(h, I, bias=False)
+        else:
+            self.fc = nn.Linear(h, I, bias=False)
+        self.proj = nn.Linear(I, h, bias=False)
+        self.fn = swiglu_mlp if cfg.mlp == "swiglu" else mlp
+        self.layers = [self.gate, self.up, self.proj] if cfg.mlp == "swiglu" else [self.fc, self.proj]  # fn's order
         self.tiles = cfg.tiles
 
     def forward(self, x):
-        weights = (self.fc.weight, self.proj.weight)
-        return tiled_mlp(mlp, x, weights, self.tiles) if self.tiles > 1 else mlp(x, *weights)
+        weights = [layer.weight for layer in self.layers]  # read now: ZeRO-3 puts its gathered views there
+        return tiled_mlp(self.fn, x, weights, self.tiles) if self.tiles > 1 else self.fn(x, *weights)
 
 
 def rms_norm(x, weight, eps=None):
@@ -175,7 +203,7 @@ class Head(nn.Module):
         super().__init__()
         self.norm = RMSNorm(cfg.n_embd)
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
-        self.tiles = cfg.tiles
+        self.tiles = cfg.loss_tiles
 
     def logits(self, x, norm_weight, lm_head_weight):
         # bf16 under autocast, widened to float32 for the loss and its logsumexp
@@ -193,12 +221,22 @@ class Head(nn.Module):
         return loss_sum, correct
 
 
+def kept_on(host):
+    """What autograd saves for backward waits there on `host` (torch.autograd.graph.save_on_cpu, for any host device):
+    copied out as it is saved, into pinned memory when it comes from a GPU, and copied back when backward needs it."""
+    def pack(t):
+        return t.device, torch.empty(t.shape, dtype=t.dtype, device=host, pin_memory=t.is_cuda).copy_(t)
+    return torch.autograd.graph.saved_tensors_hooks(pack, lambda packed: packed[1].to(packed[0], non_blocking=True))
+
+
 class GPT(nn.Module):
     """sp_group: the Ulysses group whose all-to-alls carry attention; ring_group (Ulysses x Ring): the ring over
-    which softmax attention then runs (ring.py). None: no such group."""
+    which softmax attention then runs (ring.py). None: no such group. host: where cfg.offload keeps the block inputs
+    when the model computes elsewhere (on a GPU)."""
 
-    def __init__(self, cfg, sp_group=None, ring_group=None):
+    def __init__(self, cfg, sp_group=None, ring_group=None, host=torch.device("cpu")):
         super().__init__()
+        self.host = host
         self.ring_group = ring_group if size_and_rank(ring_group)[0] > 1 else None
         if self.ring_group and "d" in cfg.layer_pattern and cfg.gdn_parallel == "ulysses":
             raise ValueError("gdn_parallel='ulysses' runs a Gated DeltaNet layer on its Ulysses group alone, which "
@@ -243,10 +281,10 @@ class GPT(nn.Module):
                                position_ids == 0 if self.cfg.gdn_parallel == "context" else full_positions == 0)}
         x = at_least_float32(self.embed(idx))  # (B, S_local, h); the residual stream stays float32 under bf16
         cos, sin = rope_cos_sin(position_ids, self.cfg.n_embd // self.cfg.n_head, self.cfg.rope_base)
-        offload = self.cfg.offload and x.is_cuda  # ALST's trick: block inputs wait for backward in CPU memory
+        offload = self.cfg.offload and x.device != self.host  # ALST's trick: block inputs wait in host memory
         for block in self.blocks:
             if self.cfg.recompute:
-                with torch.autograd.graph.save_on_cpu(pin_memory=True) if offload else nullcontext():
+                with kept_on(self.host) if offload else nullcontext():
                     x = torch.utils.checkpoint.checkpoint(block, x, cos, sin, attend[block.kind], use_reentrant=False)
             else:
                 x = block(x, cos, sin, attend[block.kind])

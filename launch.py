@@ -42,11 +42,12 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 import ulysses
-from gpt import GPTConfig
+from gpt import PRESETS, GPTConfig
 
 WEEK = 7 * 24 * 3600
 MODEL_FIELDS = ("n_layer", "n_head", "n_kv_head", "n_embd", "window", "layer_pattern", "gdn_k_heads", "gdn_v_heads",
-                "gdn_k_dim", "gdn_v_dim", "sinks")  # what shapes the model
+                "gdn_k_dim", "gdn_v_dim", "vocab_size", "mlp", "intermediate_size", "rope_base",
+                "sinks")  # what makes the model
 
 
 class Mistake(Exception):
@@ -134,10 +135,18 @@ def parse_args(argv=None):
     p.add_argument("--grad-clip", type=float, default=1.0, help="max global gradient norm (0: off)")
     p.add_argument("--seed", type=int, default=0, help="fixes the initial model and the samples (packed text "
                    "is read in order)")
+    p.add_argument("--model", choices=sorted(PRESETS), help="a real model's shape (gpt.PRESETS; llama3-8b: Llama-3-8B, "
+                   "8.03B parameters); the model flags given beside it change it")
     p.add_argument("--n-layer", type=int, help="layers (default: 2, or the length of --layer-pattern)")
     p.add_argument("--n-head", type=int, default=4, help="query heads of softmax attention")
     p.add_argument("--n-kv-head", type=int, help="key/value heads (default: n_head)")
     p.add_argument("--n-embd", type=int, default=128, help="hidden size")
+    p.add_argument("--vocab-size", type=int, default=256, help="tokens of the vocabulary (the data's are bytes, 0 to "
+                   "255)")
+    p.add_argument("--mlp", choices=["gelu", "swiglu"], default="gelu", help="the MLP: gelu, GPT-2's; swiglu, "
+                   "Llama's (a gate beside the up projection)")
+    p.add_argument("--intermediate-size", type=int, default=0, help="the MLP's hidden size (0: 4 x --n-embd)")
+    p.add_argument("--rope-base", type=float, default=10000.0, help="RoPE's theta")
     p.add_argument("--window", type=int, default=0, help="sliding-window attention over this many tokens (0: full)")
     p.add_argument("--sinks", action="store_true", help="attention sinks (gpt-oss): a learned logit per query head "
                    "joins each query's softmax; attention then runs in ring.py's kernel, with or without --ring")
@@ -160,8 +169,12 @@ def parse_args(argv=None):
     p.add_argument("--zero", choices=["0", "3", "fsdp2"], help="3: zero3.py shards params, grads and AdamW state "
                    "over all ranks (the default with more than one); 0: no sharding; fsdp2: PyTorch's fully_shard")
     p.add_argument("--tiles", type=int, default=1, help="run the MLP and the loss over this many sequence tiles")
+    p.add_argument("--loss-tiles", type=int, default=0, help="the loss's own tile count, where its logits (vocabulary "
+                   "entries a token) want more tiles than the MLP (0: --tiles)")
     p.add_argument("--recompute", action="store_true", help="keep only block inputs for backward; recompute there")
-    p.add_argument("--offload", action="store_true", help="with --recompute, on CUDA: block inputs in CPU memory")
+    p.add_argument("--offload", action="store_true", help="with --recompute, on a GPU: block inputs in CPU memory")
+    p.add_argument("--offload-optimizer", action="store_true", help="ZeRO-3's float32 shards, their gradients and "
+                   "AdamW's state in CPU memory, and AdamW's step there; the device keeps only the gathered units")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], help="what matmuls, attention and the all-to-alls "
                    "compute in (default: bfloat16 on CUDA and for --plan, else float32); parameters, AdamW state, "
                    "gradient sums and checkpoints stay float32")
@@ -180,6 +193,10 @@ def parse_args(argv=None):
                    "missing)")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--plan", metavar="NxG", help="print the predicted memory per rank on N GPUs of G GiB, and exit")
+    p.add_argument("--dry-run", action="store_true", help="with --plan: also run the training step, as the GPUs would, "
+                   "on fake tensors (shapes without memory) on one rank of the N, and print its peak memory")
+    preset = p.parse_known_args(argv)[0].model  # a preset's shape stands in for the defaults of the model flags
+    p.set_defaults(**PRESETS.get(preset, {}))
     return p.parse_args(argv)
 
 
@@ -187,20 +204,23 @@ def check_args(args, world_size):
     """Fill in the defaults that depend on the world size, and refuse every flag value a run cannot use."""
     args.sp = world_size if args.sp is None else args.sp
     args.n_kv_head = args.n_head if args.n_kv_head is None else args.n_kv_head
-    args.zero = ("3" if world_size > 1 else "0") if args.zero is None else args.zero
+    args.zero = ("3" if world_size > 1 or args.offload_optimizer else "0") if args.zero is None else args.zero
     args.dtype = ("bfloat16" if args.device == "cuda" or args.plan else "float32") if args.dtype is None else args.dtype
     args.n_layer = max(2, len(args.layer_pattern)) if args.n_layer is None else args.n_layer
     args.lr = (5e-4 if "d" in args.layer_pattern else 1e-3) if args.lr is None else args.lr
     args.warmup = max(1, args.steps // 10) if args.warmup is None else args.warmup
     args.balance = args.balance or ("documents" if args.pack and "d" not in args.layer_pattern else "zigzag")
     zero_means_default = ("window", "warmup", "save_every", "keep", "gdn_k_heads", "gdn_v_heads", "gdn_k_dim",
-                          "gdn_v_dim")
+                          "gdn_v_dim", "intermediate_size", "loss_tiles")
     for name in ("seq_len", "batch_size", "grad_accum", "steps", "n_layer", "n_head", "n_kv_head", "n_embd", "tiles",
                  *zero_means_default):
         least = 0 if name in zero_means_default else 1  # window 0: full; save_every 0: at the end; keep 0: all
         if getattr(args, name) < least:
             fail(f"--{name.replace('_', '-')} {getattr(args, name)} must be at least {least}")
-    for name, zero_allowed in (("lr", False), ("weight_decay", True), ("grad_clip", True), ("timeout", False)):
+    if args.vocab_size < 256:
+        fail(f"--vocab-size {args.vocab_size} must be at least 256: the data's tokens are bytes, 0 to 255")
+    for name, zero_allowed in (("lr", False), ("rope_base", False), ("weight_decay", True), ("grad_clip", True),
+                               ("timeout", False)):
         value = getattr(args, name)
         if not (math.isfinite(value) and (value >= 0 if zero_allowed else value > 0)):
             fail(f"--{name.replace('_', '-')} {value:g} must be a finite number "
@@ -242,6 +262,21 @@ def check_args(args, world_size):
              "Gated DeltaNet layers (their context-parallel state runs in the zigzag order); use --balance zigzag")
     if args.offload and not args.recompute:
         fail("--offload keeps the block inputs that --recompute saves in CPU memory; add --recompute")
+    if args.offload_optimizer and args.zero != "3":
+        fail(f"--offload-optimizer moves ZeRO-3's shards and AdamW to CPU memory; use --zero 3, not --zero {args.zero}")
+    if args.dry_run and not args.plan:
+        fail("--dry-run traces the run that --plan NxG describes: add --plan, e.g. --plan 8x80")
+    if args.dry_run and args.pack:  # fake tensors hold shapes, not values; everything else has shapes set by flags
+        fail("--dry-run cannot trace --pack: the documents' lengths set the attention kernels' shapes, and a dry run's "
+             "tensors hold no values; drop --pack")
+    if args.dry_run and args.compile:
+        fail("--dry-run traces the eager step, not compiled code; drop --compile")
+    if args.dry_run and (args.ring > 1 or args.sinks):
+        fail("--dry-run cannot see inside ring.py's operator, which runs --ring and --sinks (its key/value blocks and "
+             "float32 accumulators), so it would count short; drop --dry-run (--plan alone counts them)")
+    if args.dry_run and "d" in args.layer_pattern and args.gdn_parallel == "context":
+        fail("--dry-run cannot trace --gdn-parallel context: where each rank's runs of tokens start is computed from "
+             "index tensors, and a dry run's tensors hold no values; use --gdn-parallel ulysses")
     if args.device == "cuda" and not torch.cuda.is_available() and args.plan is None:
         fail("--device cuda, but torch sees no CUDA device; choose --device cpu")
     if (args.resume or args.save_every or args.keep) and args.out_dir is None:
@@ -262,7 +297,8 @@ def ring_refusal(args):
 
 def model_config(args):
     return GPTConfig(**{name: getattr(args, name) for name in MODEL_FIELDS}, tiles=args.tiles,
-                     recompute=args.recompute, offload=args.offload, gdn_parallel=args.gdn_parallel)
+                     loss_tiles=args.loss_tiles, recompute=args.recompute, offload=args.offload,
+                     gdn_parallel=args.gdn_parallel)
 
 
 def model_flags(args):
@@ -314,10 +350,7 @@ def process_groups(args, world_size):
         same_everywhere(control, {**{f"--{name.replace('_', '-')}": value for name, value in vars(args).items()
                                      if name not in ("data", "metrics", "out_dir")},
                                   "whether --out-dir is given": args.out_dir is not None})
-        mesh = init_device_mesh(device.type, (world_size // args.sp, args.ring, args.sp // args.ring),
-                                mesh_dim_names=("dp", "ring", "ulysses"))
-        # mesh ranks = arange(world).view(dp, ring, ulysses): an SP group is sp consecutive ranks, a Ulysses group
-        # sp/ring consecutive ranks (the fastest links), and a ring the ranks at the same place in each Ulysses group
+        mesh = device_mesh(args, world_size, device.type)
         with pulse(dist.get_rank()):
             yield device, mesh, control
     finally:
@@ -328,6 +361,14 @@ def process_groups(args, world_size):
             for group in {mesh.get_group(name) for name in mesh.mesh_dim_names} if mesh is not None else ():
                 if group != dist.group.WORLD:  # a mesh dimension that spans every rank reuses the caller's group
                     dist.destroy_process_group(group)
+
+
+def device_mesh(args, world_size, device_type):
+    """The dp x ring x ulysses mesh over the process group. Its ranks are arange(world).view(dp, ring, ulysses): an
+    SP group is sp consecutive ranks, a Ulysses group sp/ring consecutive ranks (the fastest links), and a ring the
+    ranks at the same place in each Ulysses group."""
+    return init_device_mesh(device_type, (world_size // args.sp, args.ring, args.sp // args.ring),
+                            mesh_dim_names=("dp", "ring", "ulysses"))
 
 
 def pulse(rank, every=0.5):

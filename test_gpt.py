@@ -136,3 +136,45 @@ def test_gpt_tiled_and_recomputed_equals_plain():
         results.append((loss_sum.detach(), correct, grads(model)))
     for result in results[1:]:
         assert_all_close(result, results[0], rtol=1e-5, atol=1e-6)
+
+
+def test_swiglu_mlp_is_llamas_and_tiles_exactly():
+    """--mlp swiglu computes Llama's MLP, proj(silu(gate x) * up x), written out here in float64 for one block's
+    MLP; the whole model with it, its loss in its own tile count, gives the plain model's loss and every gradient
+    tiled and recomputed."""
+    torch.manual_seed(0)
+    cfg = GPTConfig(n_layer=2, n_head=4, n_kv_head=2, n_embd=32, mlp="swiglu", intermediate_size=48, vocab_size=300)
+    mlp = GPT(cfg).blocks[0].mlp.double()
+    x = torch.randn(2, 5, 32, dtype=torch.float64)
+    gate, up, down = (layer.weight for layer in (mlp.gate, mlp.up, mlp.proj))
+    expected = (x @ gate.T * torch.sigmoid(x @ gate.T) * (x @ up.T)) @ down.T  # silu(a) = a * sigmoid(a)
+    torch.testing.assert_close(mlp(x), expected, rtol=1e-12, atol=1e-12)
+    idx, position_ids, labels = zero_batch()
+    results = []
+    for tiles, loss_tiles, recompute in ((1, 1, False), (3, 5, False), (2, 4, True)):
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(**{**vars(cfg), "tiles": tiles, "loss_tiles": loss_tiles, "recompute": recompute}))
+        loss_sum, correct = model(idx, position_ids, labels)
+        loss_sum.backward()
+        results.append((loss_sum.detach(), correct, grads(model)))
+    for result in results[1:]:
+        assert_all_close(result, results[0], rtol=1e-5, atol=1e-6)
+
+
+def test_the_llama3_8b_preset_is_llama_3_8b():
+    """--model llama3-8b is Llama-3-8B's shape: 8,030,261,248 parameters, Meta's count (32 layers of 4,096, 32 query
+    and 8 kv heads, SwiGLU of 14,336, its own embedding and head over 128,256 tokens, RoPE theta 500,000); a model
+    flag given beside it changes that alone."""
+    import launch
+    args = launch.parse_args(["--model", "llama3-8b"])
+    launch.check_args(args, 8)
+    cfg = launch.model_config(args)
+    with torch.device("meta"):
+        model = GPT(cfg)
+    assert sum(p.numel() for p in model.parameters()) == 8_030_261_248
+    assert model.embed.weight is not model.head.lm_head.weight  # untied
+    assert (cfg.n_layer, cfg.n_embd, cfg.n_head, cfg.n_kv_head, cfg.vocab_size, cfg.mlp, cfg.intermediate_size,
+            cfg.rope_base) == (32, 4096, 32, 8, 128256, "swiglu", 14336, 500000.0)
+    args = launch.parse_args(["--model", "llama3-8b", "--n-layer", "2", "--n-kv-head", "4"])
+    launch.check_args(args, 8)
+    assert (args.n_layer, args.n_kv_head, args.n_embd, args.vocab_size) == (2, 4, 4096, 128256)

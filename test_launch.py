@@ -280,3 +280,31 @@ def test_torchrun_shows_a_flag_it_does_not_know_once():
     status, output, _ = run(torchrun(2) + ["--no-such-flag"])
     assert status != 0 and exit_statuses(output) == {0: 2, 1: 2}, output[-3000:]
     assert output.count("unrecognized arguments: --no-such-flag") == 1
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--dry-run"], r"--dry-run traces the run that --plan NxG describes: add --plan, e.g. --plan 8x80$"),
+    (["--plan", "2x80", "--dry-run", "--pack"], r"--dry-run cannot trace --pack: the documents' lengths set the "
+                                                r"attention kernels' shapes, .*; drop --pack$"),
+    (["--plan", "2x80", "--dry-run", "--compile"], r"--dry-run traces the eager step, not compiled code; drop "
+                                                   r"--compile$"),
+    (["--offload-optimizer", "--zero", "0"], r"--offload-optimizer moves ZeRO-3's shards and AdamW to CPU memory; "
+                                             r"use --zero 3, not --zero 0$"),
+    (["--vocab-size", "100"], r"--vocab-size 100 must be at least 256: the data's tokens are bytes, 0 to 255$"),
+    (["--rope-base", "0"], r"--rope-base 0 must be a finite number above 0$"),
+    (["--intermediate-size", "-1"], r"--intermediate-size -1 must be at least 0$"),
+    (["--loss-tiles", "-1"], r"--loss-tiles -1 must be at least 0$"),
+    (["--plan", "4x80", "--dry-run", "--ring", "2"], r"--dry-run cannot see inside ring.py's operator, .*; drop "
+                                                     r"--dry-run \(--plan alone counts them\)$"),
+    (["--plan", "4x80", "--dry-run", "--sinks"], r"--dry-run cannot see inside ring.py's operator, which runs --ring "
+                                                 r"and --sinks .*$"),
+    (["--plan", "2x80", "--dry-run", "--layer-pattern", "da", "--gdn-parallel", "context"],
+     r"--dry-run cannot trace --gdn-parallel context: .*; use --gdn-parallel ulysses$"),
+])
+def test_the_flags_of_plans_and_real_shapes_refuse_bad_values(monkeypatch, argv, message):
+    """--dry-run, --offload-optimizer and the flags of a real model's shape: a value a run cannot use is one line, and
+    nothing starts."""
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    with pytest.raises(SystemExit, match=message):
+        train.main(argv)
+    assert not dist.is_initialized()

@@ -75,6 +75,7 @@ class _SequenceTiled(torch.autograd.Function):
         needs_grad = ctx.needs_input_grad[3:]  # one flag per input, then one per parameter
         wanted = [j for j, need in enumerate(needs_grad) if need]
         input_grads = [torch.zeros_like(x) if need else None for x, need in zip(inputs, needs_grad)]
+        input_grad_tiles = [g.tensor_split(n_tiles, dim=1) if g is not None else None for g in input_grads]  # views
         param_grads = [None] * len(params)
         for i, (tile, tile_grad_outputs) in enumerate(zip(_split(inputs, n_tiles), _split(grad_outputs, n_tiles))):
             # Step 1: recompute the tile with grad; its graph starts at the tile's (detached) inputs.
@@ -92,7 +93,7 @@ class _SequenceTiled(torch.autograd.Function):
                 if grad is None:
                     continue
                 if j < len(inputs):
-                    input_grads[j].tensor_split(n_tiles, dim=1)[i].copy_(grad)  # (B, s, ...) into (B, S, ...)
+                    input_grad_tiles[j][i].copy_(grad)  # (B, s, ...) into (B, S, ...)
                 else:
                     k = j - len(inputs)
                     param_grads[k] = at_least_float32(grad) if param_grads[k] is None else param_grads[k].add_(grad)

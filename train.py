@@ -64,8 +64,8 @@ def main(argv=None):
     args = launch.parse_args(argv)
     rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     with launch.one_line_errors():  # a mistake: one line, and exit status 1 on every rank
-        if args.plan:
-            if not memory.plan(args):  # its line says whether the run fits
+        if args.plan:  # with --dry-run, the step itself runs on fake tensors beside the prediction
+            if not memory.plan(args, partial(build, args)):  # its line says whether the run fits
                 raise SystemExit(1)
             return True
         launch.check_args(args, world_size)  # the flags alone: every rank finds the same mistake, before any wait
@@ -102,25 +102,39 @@ def prepare(args, rank, world_size):
     return documents, args.data and checkpoint.sha256(args.data)
 
 
-def train(args, world_size, mesh, device, documents, resume_from, control):
-    dp, sp_groups = world_size // args.sp, (mesh.get_group("ulysses"), mesh.get_group("ring"))
-    rank, dp_rank = dist.get_rank(), mesh.get_local_rank("dp")
-
+def build(args, world_size, mesh, device, host=torch.device("cpu")):
+    """The model on `device`, sharded over every rank, its optimizer, and step(i, documents), which runs optimizer
+    step i of this rank on its micro-batches (steps 1 to 7). host: where --offload and --offload-optimizer keep what
+    they move off the device. --dry-run runs it on fake tensors (memory.dry_run)."""
     torch.manual_seed(args.seed)  # every rank builds the same initial model
-    model = GPT(launch.model_config(args), *sp_groups).to(device)
+    dp, sp_groups = world_size // args.sp, (mesh.get_group("ulysses"), mesh.get_group("ring"))
+    model = GPT(launch.model_config(args), *sp_groups, host)
+    if device.type != "cpu":  # built on the CPU, so that a GPU run starts from the numbers a CPU run does
+        model.to(device)
     if args.compile:  # each block's forward on its own, as torchtitan does; hooks (ZeRO-3's gathers) stay eager
         for block in model.blocks:
             block.forward = torch.compile(block.forward)
     n_params = sum(p.numel() for p in model.parameters())
     compute_dtype = torch.bfloat16 if args.dtype == "bfloat16" else None  # what ZeRO-3 and FSDP2 gather
-    zero = None  # ZeRO-3 and FSDP2 shard over every rank: the dp x sp mesh flattened, i.e. the world group
-    # (FSDP2 shards the model's own parameters in place, so with it `zero` stays None)
+    zero = None  # ZeRO-3 or FSDP2 (in place: zero stays None) over every rank: the dp x sp mesh flattened
     if args.zero == "3":
-        zero = ZeRO3(model, model.units(), group=dist.group.WORLD, compute_dtype=compute_dtype)
+        zero = ZeRO3(model, model.units(), group=dist.group.WORLD, compute_dtype=compute_dtype,
+                     offload_to=host if args.offload_optimizer else None)  # AdamW then steps in host memory
     elif args.zero == "fsdp2":
         fsdp2_shard(model, model.units(), dist.group.WORLD, compute_dtype=compute_dtype)
     optimizer = torch.optim.AdamW(zero.parameters() if zero else model.parameters(), lr=args.lr, betas=(0.9, 0.95),
                                   weight_decay=args.weight_decay)
+
+    def step(i, documents=None):
+        batches = [load_micro_batch(args, documents, i, micro, dp, mesh.get_local_rank("dp"), sp_groups, device)
+                   for micro in range(args.grad_accum)]
+        return train_step(i, batches, model, zero, optimizer, args)
+    return model, zero, optimizer, n_params, step
+
+
+def train(args, world_size, mesh, device, documents, resume_from, control):
+    dp, rank = world_size // args.sp, dist.get_rank()
+    model, zero, optimizer, n_params, train_on = build(args, world_size, mesh, device)
     start_step = checkpoint.restore(resume_from, model, zero, optimizer) if resume_from else 0
     launch.gathered(control, None)  # every rank has loaded (however long its storage took) before the first collective
     if rank == 0:
@@ -132,7 +146,7 @@ def train(args, world_size, mesh, device, documents, resume_from, control):
             samples = args.steps * dp * args.batch_size * args.grad_accum
             print(f"data {args.data}: {data.describe(documents, args.pack, args.seq_len, samples)}")
 
-    peak = memory.PeakMemory(model, optimizer, zero, device)
+    peak = memory.PeakMemory(model, optimizer, zero, device, host=args.offload or args.offload_optimizer)
     metrics = launch.agreed(control, lambda: checkpoint.Metrics(args.metrics, start_step) if rank == 0 and args.metrics
                             else None)  # rank 0 writes it
     history = []
@@ -147,18 +161,16 @@ def train(args, world_size, mesh, device, documents, resume_from, control):
         for step in bar:
             t0 = time.perf_counter()
             progress.begin(step)
-            micro_batches = [load_micro_batch(args, documents, step, micro, dp, dp_rank, sp_groups, device)
-                             for micro in range(args.grad_accum)]
             measured = step == args.steps - 1  # every step is alike: the last one is measured
             with peak.measure(measured):
-                loss, accuracy, grad_norm, lr = train_step(step, micro_batches, model, zero, optimizer, args)
+                loss, accuracy, grad_norm, lr = train_on(step, documents)
             seconds = time.perf_counter() - t0
             progress.end()
             tokens = dp * args.grad_accum * args.batch_size * args.seq_len  # the global batch's, padding excluded
             history.append({"step": step + 1, "loss": loss, "grad_norm": grad_norm, "lr": lr, "tokens": tokens,
                             "seconds": seconds, "accuracy": accuracy})
-            if measured:  # the measured step's line carries the peak, the largest over the ranks
-                history[-1]["peak_bytes"] = peak.bytes
+            if measured:  # the measured step's line carries the peaks, the largest over the ranks (host: on CUDA)
+                history[-1].update(peak_bytes=peak.bytes, host_peak_bytes=peak.host_bytes)
             bar.set_postfix(loss=f"{loss:.4f}", acc=f"{accuracy:.3f}", tok_s=f"{tokens / seconds:.0f}")
             if metrics:
                 metrics.write(history[-1])
@@ -231,7 +243,7 @@ def load_micro_batch(args, documents, step, micro, dp, dp_rank, sp_groups, devic
     indices = data.micro_batch_indices(step, micro, args.grad_accum, dp_rank, dp, args.batch_size)
     samples = [data.make_sample(i, args.seq_len, documents, args.pack, args.seed) for i in indices]
     full = [torch.stack(column) for column in zip(*samples)]  # inputs, labels, position_ids: (B, S) each
-    return [t.to(device) for t in ulysses.shard_for_sp(*full, *sp_groups, args.balance)]  # (B, S_pad/sp) each
+    return [t.to(device, copy=True) for t in ulysses.shard_for_sp(*full, *sp_groups, args.balance)]  # (B, S_pad/sp)
 
 
 def summarize(args, history, model, optimizer, n_params, world_size, device, rank):
@@ -253,11 +265,15 @@ def summarize(args, history, model, optimizer, n_params, world_size, device, ran
     print(f"throughput: {sum(r['tokens'] for r in history) / seconds:,.0f} tokens/s "
           f"({world_size} ranks, {seconds:.1f} s)")
     print(f"model state per rank (max over ranks): params {mib(params)} + grads {mib(grads)} + optimizer "
-          f"{mib(optim)} = {mib(params + grads + optim)}; unsharded fp32 {mib(16 * n_params)}, / {world_size} ranks = "
-          f"{mib(16 * n_params / world_size)}")
-    how = "torch.cuda.max_memory_allocated" if device.type == "cuda" else "storages counted, last step"
-    print(f"peak tensor memory per rank (max over ranks, {how}): {mib(peak)} (predicted "
-          f"{mib(memory.predicted(args, world_size)['peak'])})")
+          f"{mib(optim)} = {mib(params + grads + optim)}{' in host memory' * args.offload_optimizer}; unsharded fp32 "
+          f"{mib(16 * n_params)}, / {world_size} ranks = {mib(16 * n_params / world_size)}")
+    how, predicted = ("torch.cuda.max_memory_allocated" if device.type == "cuda" else "storages counted, last step",
+                      memory.predicted(args, world_size))
+    host = history[-1]["host_peak_bytes"]  # counted on a GPU with an offload; a CPU's host is the memory counted
+    host = ("the same, on a CPU" if device.type == "cpu" else "nothing offloaded" if host is None else
+            f"{mib(host)} (predicted {mib(predicted['host'])})")
+    print(f"peak tensor memory per rank (max over ranks, {how}): {mib(peak)} (predicted {mib(predicted['peak'])}); "
+          f"host memory: {host}")
     a2a = [b for b in model.blocks if b.kind == "a" or args.gdn_parallel == "ulysses"]  # layers with all-to-alls
     report_bytes("all-to-all", "calls", ulysses.all_to_all_stats, formula, len(a2a), len(history), args.grad_accum)
     if args.ring > 1:

@@ -31,6 +31,16 @@ that autograd saved for backward included, see the data again without being recr
 Autograd sums the views' gradients into `full.grad`; a post-accumulate-grad hook on `full` fires once per backward,
 when the unit's gradient is complete, and reduce-scatters it. Gradients are SUMMED over ranks, never averaged:
 the loss is already divided by the valid-token count of the whole global batch, so the sum is the gradient.
+
+Offloaded (ZeRO3(..., offload_to=torch.device("cpu")), ALST's single-GPU setting): the float32 shards, their
+gradients and with them AdamW's state live in CPU memory, 16 bytes a parameter / N, and AdamW steps there. The
+GPU keeps no model state between steps, only the gathered units: a gather copies the shard in the compute dtype
+from a host buffer (pinned on CUDA, so the copy does not wait), which is refilled whenever the shard has changed;
+each reduced gradient goes to host memory at once.
+
+    host      shard fp32 -> bf16 buffer          shard.grad fp32 <-+         AdamW (moments, step)
+                                 | copy                             | copy
+    GPU                          +-> all-gather -> full | compute | reduce-scatter
 """
 
 from collections import namedtuple
@@ -60,9 +70,10 @@ def _grad_outputs(output):
 
 
 class ShardedUnit:
-    """One unit: its parameters as one flat vector, this rank's float32 shard of it and the gathered copy `full`."""
+    """One unit: its parameters as one flat vector, this rank's float32 shard of it and the gathered copy `full`.
+    offload_to: the device (CPU memory) that keeps the shard and its gradient; None: the unit's own."""
 
-    def __init__(self, module, prefix, group, compute_dtype):
+    def __init__(self, module, prefix, group, compute_dtype, offload_to=None):
         self.module, self.group = module, group
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
         params = list(module.named_parameters())
@@ -74,10 +85,15 @@ class ShardedUnit:
         padded = -(-self.numel // self.world) * self.world  # the next multiple of N
         self.sizes = [p.numel() for _, p in params] + [padded - self.numel]  # how `full` splits into parameters
         self.device = params[0][1].device
-        self.shard = nn.Parameter(self.my_shard_of(p for _, p in params))  # (padded/N,) float32 master copy
+        shard = self.my_shard_of(p for _, p in params).to(offload_to or self.device)
+        self.shard = nn.Parameter(shard)  # (padded/N,) float32 master copy
         for slot in self.slots:
             delattr(slot.module, slot.attr)  # the module keeps no parameter of its own from now on
         self.full = torch.empty(padded, dtype=compute_dtype or torch.float32, device=self.device, requires_grad=True)
+        self.staging = self.staged = None  # offloaded: the shard in the compute dtype, where copies to the device
+        if offload_to is not None:         # start, and the shard's version (its count of changes in place) it holds
+            self.staging = torch.empty(shard.shape, dtype=self.full.dtype, device=offload_to,
+                                       pin_memory=self.device.type == "cuda")
         # Collectives write into `full.data`, an alias autograd does not track: writing into `full` itself would be
         # an in-place change of the tensor whose views autograd saved for backward, and autograd would refuse them.
         self.full_data = self.full.data
@@ -96,11 +112,21 @@ class ShardedUnit:
         storage = self.full_data.untyped_storage()
         if self.handle is None and storage.size() == 0:
             storage.resize_(self.full_data.numel() * self.full_data.element_size())
-            self.send = self.shard.detach().to(self.full.dtype)  # (padded/N,); must live until the gather is done
+            self.send = self.local_copy()  # (padded/N,); must live until the gather is done
             self.handle = all_gather(self.full_data, self.send, group=self.group, async_op=True)  # -> (padded,)
         if self.handle is not None and not async_op:
             self.handle.wait()
             self.handle, self.send = None, None
+
+    def local_copy(self):
+        """This rank's shard in the compute dtype on the device, what it sends to the all-gather. Offloaded, a copy of
+        the host buffer, which is refilled first if the shard has changed since (the optimizer, a checkpoint)."""
+        if self.staging is None:
+            return self.shard.detach().to(self.full.dtype)
+        if self.staged != self.shard._version:  # no copy out of it is still running: the optimizer stepped after
+            self.staging.copy_(self.shard.detach())  # the gradients' copies to the host, which waited for the GPU
+            self.staged = self.shard._version
+        return self.staging.to(self.device, non_blocking=True)
 
     def free(self):
         self.full_data.untyped_storage().resize_(0)  # the views stay, over 0 bytes, until the next gather
@@ -115,8 +141,9 @@ class ShardedUnit:
         """Sum this unit's gradient over the ranks; each rank adds its slice to its shard.grad."""
         grad = self.full.grad.float()  # (padded,); float32, as summing N low-precision gradients loses bits
         self.full.grad = None
-        reduced = torch.empty_like(self.shard, requires_grad=False)  # (padded/N,)
+        reduced = torch.empty(self.shard.shape, device=self.device)  # (padded/N,)
         reduce_scatter(reduced, grad, op=dist.ReduceOp.SUM, group=self.group)
+        reduced = reduced.to(self.shard.device)  # offloaded: to host memory, beside the shard
         if self.shard.grad is None:
             self.shard.grad = reduced
         else:
@@ -128,10 +155,11 @@ class ZeRO3:
 
     units: submodules in forward order that together hold every parameter exactly once (GPT.units()).
     compute_dtype: dtype of the gathered parameters forward and backward run with (e.g. torch.bfloat16);
-    the shards, their gradients and hence the optimizer stay float32. Call the model as before; give the
+    the shards, their gradients and hence the optimizer stay float32. offload_to: a device (CPU memory) that keeps
+    the shards, their gradients and so the optimizer's state and step. Call the model as before; give the
     optimizer `zero.parameters()`. The group must be initialized; a group of one rank works too."""
 
-    def __init__(self, model, units, group=None, compute_dtype=None):
+    def __init__(self, model, units, group=None, compute_dtype=None, offload_to=None):
         owned = [id(p) for unit in units for _, p in unit.named_parameters(remove_duplicate=False)]
         unowned = [name for name, p in model.named_parameters() if id(p) not in set(owned)]
         if unowned or len(owned) != len(set(owned)):
@@ -139,7 +167,7 @@ class ZeRO3:
                              f"in more than one place: {len(owned) - len(set(owned))} (tied weights are not supported)")
         self.model, self.group = model, group
         prefixes = {module: name for name, module in model.named_modules()}
-        self.units = [ShardedUnit(unit, prefixes[unit], group, compute_dtype) for unit in units]
+        self.units = [ShardedUnit(unit, prefixes[unit], group, compute_dtype, offload_to) for unit in units]
         for i, unit in enumerate(self.units):
             unit.module.register_forward_pre_hook(lambda module, args, i=i: self._before_forward(i))
             unit.module.register_forward_hook(lambda module, args, output, i=i: self._after_forward(i, output))
@@ -185,14 +213,14 @@ class ZeRO3:
         that norm before clipping, like torch.nn.utils.clip_grad_norm_. Each rank sums the squares of its shard
         gradients (padding holds zero gradient) and one all-reduce of that number adds up the ranks."""
         grads = [shard.grad for shard in self.parameters() if shard.grad is not None]
-        sum_of_squares = torch.zeros((), device=self.units[0].shard.device)
+        sum_of_squares = torch.zeros((), device=self.units[0].device)  # where the collective runs, offloaded or not
         for grad in grads:
-            sum_of_squares += grad.pow(2).sum()
+            sum_of_squares += grad.pow(2).sum().to(sum_of_squares.device)
         dist.all_reduce(sum_of_squares, group=self.group)
         norm = sum_of_squares.sqrt()
         scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)  # torch.nn.utils.clip_grad_norm_'s formula
         for grad in grads:
-            grad.mul_(scale)
+            grad.mul_(scale.to(grad.device))
         return norm
 
 
