@@ -376,7 +376,8 @@ def _balance_rank(rank, P, U, R, cases):
     results = []
     for dtype, window, fused, min_chunk in cases:
         ring.MIN_CHUNK = min_chunk
-        _, _, positions, index = ulysses.shard_for_sp(*[BALANCE_POSITIONS] * 3, ulysses_group, ring_group, "documents")
+        _, _, positions, index = ulysses.shard_for_sp(*[BALANCE_POSITIONS] * 3, ulysses_group, ring_group,
+                                                      ring.document_layout)
         layout, ring_positions = (ulysses.gather_sequence(t, ulysses_group) for t in (index, positions))  # my ring's
         q, k, v, grad_out = (t.to(dtype)[torch.arange(2)[:, None], index].requires_grad_()  # (B, 24/P, heads, D)
                              for t in qkv(2, 24, 4, 2, 8))

@@ -243,7 +243,8 @@ def load_micro_batch(args, documents, step, micro, dp, dp_rank, sp_groups, devic
     indices = data.micro_batch_indices(step, micro, args.grad_accum, dp_rank, dp, args.batch_size)
     samples = [data.make_sample(i, args.seq_len, documents, args.pack, args.seed) for i in indices]
     full = [torch.stack(column) for column in zip(*samples)]  # inputs, labels, position_ids: (B, S) each
-    return [t.to(device, copy=True) for t in ulysses.shard_for_sp(*full, *sp_groups, args.balance)]  # (B, S_pad/sp)
+    layout = ring.document_layout if args.balance == "documents" else None  # None: zigzag
+    return [t.to(device, copy=True) for t in ulysses.shard_for_sp(*full, *sp_groups, layout)]  # (B, S_pad/sp) each
 
 
 def summarize(args, history, model, optimizer, n_params, world_size, device, rank):

@@ -435,7 +435,7 @@ def gather_sequence(x, group):
 # rules 1, 2 and 4: the batch and the loss
 
 
-def shard_for_sp(input_ids, labels, position_ids, group=None, ring_group=None, balance="zigzag"):
+def shard_for_sp(input_ids, labels, position_ids, group=None, ring_group=None, layout=None):
     """Full sequences [B, S] -> this rank's [B, S_pad/P] input ids, labels, position ids and token index (the
     position of each of its tokens in the padded sequence: where the data came from, which a ring's layout is).
 
@@ -447,17 +447,15 @@ def shard_for_sp(input_ids, labels, position_ids, group=None, ring_group=None, b
     With a ring (Ulysses x Ring, ring.py), group is this rank's Ulysses group of U ranks and ring_group its ring
     of R, P = U x R: S is padded to a multiple of 2P and cut into 2R chunks, ring rank r takes chunks r and
     2R-1-r (the zigzag order, which balances causal work), and its U Ulysses ranks split those two in order.
-    balance="documents": ring rank r takes its share of every packed document instead (ring.document_layout,
-    which balances each document's causal work; each row its own), its U Ulysses ranks splitting it in order.
+    layout: a function that deals the tokens to the ring instead, (position_ids [B, S_pad], R) -> the positions
+    each ring rank holds, [B, R, S_pad/R] (ring.document_layout: every rank a share of every packed document,
+    which balances each document's causal work); its U Ulysses ranks split ring rank r's in order. The token index
+    returned is where each token sits in the padded sequence: a ring's layout is exactly this.
     """
     for name, t in (("labels", labels), ("position_ids", position_ids)):
         if input_ids.dim() != 2 or t.shape != input_ids.shape:
             raise ValueError(f"shard_for_sp: input_ids {tuple(input_ids.shape)}, {name} {tuple(t.shape)}: want "
                              f"[B, S] each, labels already shifted (labels[:, i] is the token after input_ids[:, i])")
-    if balance not in ("zigzag", "documents"):
-        raise ValueError(f"shard_for_sp: balance={balance!r}: want 'zigzag' (one sequence's causal work) or "
-                         f"'documents' (each packed document's)")
-    from ring import document_layout, token_index  # a ring's layouts live with the ring
     (U, u), (R, r) = size_and_rank(group), size_and_rank(ring_group)
     P = U * R
     pad = -input_ids.shape[1] % (P if R == 1 else 2 * P)
@@ -465,11 +463,11 @@ def shard_for_sp(input_ids, labels, position_ids, group=None, ring_group=None, b
     counting_on = position_ids[:, -1:] + torch.arange(1, pad + 1, device=position_ids.device)  # (B, pad)
     position_ids = torch.cat([position_ids, counting_on], dim=1)  # (B, S_pad)
     B, S_pad = input_ids.shape
-    if R > 1 and balance == "documents":  # my share of every document
-        index = document_layout(position_ids, R)[:, r]  # (B, S_pad/R)
-    else:  # ring rank r's two chunks, r and 2R-1-r; without a ring, every token
-        index = token_index("zigzag" if R > 1 else "contiguous", r, R, S_pad // R).expand(B, -1)  # (B, S_pad/R)
-    index = index.to(input_ids.device)
+    if R > 1 and layout is not None:  # my share as the layout deals it
+        index = layout(position_ids, R)[:, r].to(input_ids.device)  # (B, S_pad/R)
+    else:  # ring rank r's two chunks of 2R, r and 2R-1-r, the zigzag order; without a ring, every token
+        chunks = torch.arange(S_pad, device=input_ids.device).chunk(2 * R)  # (S_pad/2R,) each
+        index = torch.cat([chunks[r], chunks[2 * R - 1 - r]] if R > 1 else chunks).expand(B, -1)  # (B, S_pad/R)
     shards = [t.gather(1, index) for t in (input_ids, labels, position_ids)] + [index]  # (B, S_pad/R) each
     return tuple(t.chunk(U, dim=1)[u] for t in shards)  # (B, S_pad/P) each
 
