@@ -124,18 +124,28 @@ def test_position_ids_of_the_wrong_shape_are_named(shape):
         model(idx, torch.zeros(shape, dtype=torch.long))
 
 
-def test_gpt_tiled_and_recomputed_equals_plain():
+def _assert_the_ways_agree(cfg, ways, labels_ignored=False):
+    """The same model made each of `ways` (GPTConfig fields: tiles, recompute, ...), one step on zero_batch: the
+    loss, the correct count and every gradient as the first way's."""
     idx, position_ids, labels = zero_batch()
-    labels[:, 4:8] = -100
+    if labels_ignored:
+        labels[:, 4:8] = -100
     results = []
-    for tiles, recompute in ((1, False), (3, False), (3, True), (1, True)):
+    for way in ways:
         torch.manual_seed(0)
-        model = GPT(GPTConfig(n_layer=2, n_head=4, n_kv_head=2, n_embd=32, tiles=tiles, recompute=recompute))
+        model = GPT(GPTConfig(**{**vars(cfg), **way}))
         loss_sum, correct = model(idx, position_ids, labels)
         loss_sum.backward()
         results.append((loss_sum.detach(), correct, grads(model)))
     for result in results[1:]:
         assert_all_close(result, results[0], rtol=1e-5, atol=1e-6)
+
+
+def test_gpt_tiled_and_recomputed_equals_plain():
+    _assert_the_ways_agree(GPTConfig(n_layer=2, n_head=4, n_kv_head=2, n_embd=32),
+                           [dict(tiles=tiles, recompute=recompute)
+                            for tiles, recompute in ((1, False), (3, False), (3, True), (1, True))],
+                           labels_ignored=True)
 
 
 def test_swiglu_mlp_is_llamas_and_tiles_exactly():
@@ -149,16 +159,8 @@ def test_swiglu_mlp_is_llamas_and_tiles_exactly():
     gate, up, down = (layer.weight for layer in (mlp.gate, mlp.up, mlp.proj))
     expected = (x @ gate.T * torch.sigmoid(x @ gate.T) * (x @ up.T)) @ down.T  # silu(a) = a * sigmoid(a)
     torch.testing.assert_close(mlp(x), expected, rtol=1e-12, atol=1e-12)
-    idx, position_ids, labels = zero_batch()
-    results = []
-    for tiles, loss_tiles, recompute in ((1, 1, False), (3, 5, False), (2, 4, True)):
-        torch.manual_seed(0)
-        model = GPT(GPTConfig(**{**vars(cfg), "tiles": tiles, "loss_tiles": loss_tiles, "recompute": recompute}))
-        loss_sum, correct = model(idx, position_ids, labels)
-        loss_sum.backward()
-        results.append((loss_sum.detach(), correct, grads(model)))
-    for result in results[1:]:
-        assert_all_close(result, results[0], rtol=1e-5, atol=1e-6)
+    _assert_the_ways_agree(cfg, [dict(tiles=tiles, loss_tiles=loss_tiles, recompute=recompute)
+                                 for tiles, loss_tiles, recompute in ((1, 1, False), (3, 5, False), (2, 4, True))])
 
 
 def test_the_llama3_8b_preset_is_llama_3_8b():
