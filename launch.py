@@ -149,7 +149,8 @@ def parse_args(argv=None):
     p.add_argument("--rope-base", type=float, default=10000.0, help="RoPE's theta")
     p.add_argument("--window", type=int, default=0, help="sliding-window attention over this many tokens (0: full)")
     p.add_argument("--sinks", action="store_true", help="attention sinks (gpt-oss): a learned logit per query head "
-                   "joins each query's softmax; attention then runs in ring.py's kernel, with or without --ring")
+                   "joins each query's softmax (weight-decayed as every parameter is); attention then runs in ring.py's kernel, "
+                   "with or without --ring")
     p.add_argument("--layer-pattern", default="a", help="each layer's kind, repeated over the layers: a = softmax "
                    "attention, d = Gated DeltaNet (linear attention); e.g. ddda")
     for part, what in (("k-heads", "key heads (q, k)"), ("v-heads", "value heads (v, the state; a multiple of the key "

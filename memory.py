@@ -185,13 +185,13 @@ def predict_memory(cfg, tokens, batch, sp, ring_size, world_size, zero, cuda, bf
     activations += (4 * local if accumulate and not on_host else 0) + (
         2 * n_params if zero == "0" and bf16 and not cfg.recompute else 0)
     # Each token's index in the sequence (shard_for_sp's token_index, int64, 8 bytes). With packed documents in
-    # ring.py's kernel (a ring, or sinks), every softmax layer keeps for backward the document of each token of the
-    # ring's U x R x tokens (8 bytes each; CPU memory on CUDA), and under a ring of R > 1 also each one's position,
-    # the layout, which the Ulysses group gathers (8 x U bytes a local token)
+    # ring.py's kernel (a ring, or sinks): under a ring of R > 1 the layout, each token's position, which the
+    # Ulysses group gathers (8 x U bytes a local token); and every softmax layer keeps for backward the document of
+    # each token of the ring's U x R x tokens, and under a ring its position too (8 bytes each; on CUDA in CPU memory)
     softmax_layers = sum(block.kind == "a" for block in model.blocks)
-    documents = 0 if cuda else 8 * sp * (2 if ring_size > 1 else 1) * softmax_layers
-    layout = (8 * U * (ring_size > 1) + documents) if packed and (ring_size > 1 or cfg.sinks) else 0
-    activations += tokens * (8 + layout)
+    saved_per_layer = 0 if cuda else 8 * sp * (2 if ring_size > 1 else 1) * softmax_layers
+    layout_bytes = (8 * U * (ring_size > 1) + saved_per_layer) if packed and (ring_size > 1 or cfg.sinks) else 0
+    activations += tokens * (8 + layout_bytes)
     state += 64 * 2**20 if cuda else 0  # cuBLAS's and cuDNN's workspaces: 64 to 80 MiB a GPU (an H100, torch 2.11)
     step = 0 if on_host else (4 + (8 if zero == "0" else 4)) * local
     # CPU memory: the offloaded block inputs go back as backward runs, while the offloaded gradients come

@@ -465,7 +465,8 @@ def shard_for_sp(input_ids, labels, position_ids, group=None, ring_group=None, l
     B, S_pad = input_ids.shape
     if R > 1 and layout is not None:  # my share as the layout deals it
         index = layout(position_ids, R)[:, r].to(input_ids.device)  # (B, S_pad/R)
-    else:  # ring rank r's two chunks of 2R, r and 2R-1-r, the zigzag order; without a ring, every token
+    else:  # ring rank r's chunks r and 2R-1-r of 2R, zigzag (ring.py's too: written here so that this file needs
+        # torch alone); without a ring, every token
         chunks = torch.arange(S_pad, device=input_ids.device).chunk(2 * R)  # (S_pad/2R,) each
         index = torch.cat([chunks[r], chunks[2 * R - 1 - r]] if R > 1 else chunks).expand(B, -1)  # (B, S_pad/R)
     shards = [t.gather(1, index) for t in (input_ids, labels, position_ids)] + [index]  # (B, S_pad/R) each
