@@ -276,9 +276,12 @@ def test_ctrl_c_ends_every_rank_with_one_line(tmp_path):
 
 
 def test_torchrun_shows_a_flag_it_does_not_know_once():
-    """argparse's mistakes under torchrun: printed once (by rank 0), and every rank exits 2, as argparse does."""
+    """argparse's mistakes under torchrun: printed once (by rank 0), and every rank exits non-zero: 2, as argparse
+    does, or, for a rank still importing torch when torchrun stops every worker after rank 0's exit, by the SIGTERM
+    itself (-15)."""
     status, output, _ = run(torchrun(2) + ["--no-such-flag"])
-    assert status != 0 and exit_statuses(output) == {0: 2, 1: 2}, output[-3000:]
+    statuses = exit_statuses(output)
+    assert status != 0 and statuses[0] == 2 and statuses.get(1) in (2, -15), output[-3000:]
     assert output.count("unrecognized arguments: --no-such-flag") == 1
 
 
