@@ -875,7 +875,7 @@ def main(argv=None):
     p.add_argument("--tolerance", type=float, default=0.01, help="the dry run's search stops this close to the longest")
     p.add_argument("--dry-runs", action=argparse.BooleanOptionalAction, default=True, help="trace with train.py "
                    "--dry-run (minutes each); --no-dry-runs: the predictor alone")
-    p.add_argument("--figure", default="plans.png", help="the picture's file (matplotlib; none: '')")
+    p.add_argument("--figure", default="figures/plans.png", help="the picture's file (matplotlib; none: '')")
     p = command("compile", "train.py eager against --compile: compile time and step time")
     p.add_argument("--sp", type=int, nargs="+", default=[2, 4], help="ranks (all sequence-parallel), one row pair each")
     p.add_argument("--steps", type=int, default=30, help="steps of each run")
