@@ -25,6 +25,8 @@ and no storage, and counts its tensors as StorageBytes counts a real step's.
 """
 
 import argparse
+import dataclasses
+import functools
 import math
 import os
 import time
@@ -47,7 +49,7 @@ import gpt
 import launch
 import ring
 import ulysses
-from gpt import GPT
+from gpt import GPT, GPTConfig
 from launch import check_args, fail, model_config, ring_refusal
 from tiled import at_least_float32
 
@@ -79,9 +81,7 @@ def predict_memory(cfg, tokens, batch, sp, ring_size, world_size, zero, cuda, bf
     their largest). For a GPU (cuda), what an H100 showed (BENCHMARKS.md, the GPU section)
     and what the dry run traces at full scale: within 5% of the dry run for Llama-3-8B from 1 to 32 GPUs, and the
     dry run within 0.6% of the H100's measured peaks (`python bench.py plans`, BENCHMARKS.md)."""
-    with torch.device("meta"):
-        model = GPT(cfg)
-    units = [sum(p.numel() for p in u.parameters()) for u in model.units()]  # what ZeRO-3 gathers: embed, blocks, head
+    units, kinds = unit_sizes(dataclasses.astuple(cfg))  # what ZeRO-3 gathers: embed, blocks, head; "a" or "d" a block
     n_params, block = sum(units), max(units[1:-1])
     e, h, V, H, D = (2 if bf16 else 4), cfg.n_embd, cfg.vocab_size, cfg.n_head, cfg.n_embd // cfg.n_head
     U = sp // ring_size  # Ulysses ranks: the attention kernel sees U * tokens tokens of its heads
@@ -137,7 +137,7 @@ def predict_memory(cfg, tokens, batch, sp, ring_size, world_size, zero, cuda, bf
               (2 * vd_ if context else 0))
     deltanet = 2 * kd + 7 * vd + wide * (3 * (2 * kd_ + vd_) + kernel) + (C + 2) / e
     kept = {"a": norms + attention + mlp, "d": norms + deltanet + mlp}
-    layers = [kept[b.kind] for b in model.blocks]
+    layers = [kept[kind] for kind in kinds]
     blocks = tokens * e * (cfg.n_layer * h * wide if cfg.recompute else sum(layers))  # kept until backward
     # --offload keeps them in CPU memory, and with them RoPE's float32 cos and sin, a copy for each block
     offloaded = tokens * 4 * cfg.n_layer * (h + 2 * D) if cfg.offload and cuda else 0
@@ -188,7 +188,7 @@ def predict_memory(cfg, tokens, batch, sp, ring_size, world_size, zero, cuda, bf
     # ring.py's kernel (a ring, or sinks): under a ring of R > 1 the layout, each token's position, which the
     # Ulysses group gathers (8 x U bytes a local token); and every softmax layer keeps for backward the document of
     # each token of the ring's U x R x tokens, and under a ring its position too (8 bytes each; on CUDA in CPU memory)
-    softmax_layers = sum(block.kind == "a" for block in model.blocks)
+    softmax_layers = kinds.count("a")
     saved_per_layer = 0 if cuda else 8 * sp * (2 if ring_size > 1 else 1) * softmax_layers
     layout_bytes = (8 * U * (ring_size > 1) + saved_per_layer) if packed and (ring_size > 1 or cfg.sinks) else 0
     activations += tokens * (8 + layout_bytes)
@@ -198,6 +198,16 @@ def predict_memory(cfg, tokens, batch, sp, ring_size, world_size, zero, cuda, bf
     host = ((12 + e) * local if on_host else 0) + max(offloaded, (4 * local + 8 * max(units) / world_size) * on_host)
     return {"peak": state + max(activations, step), "state": state, "activations": activations, "step": step,
             "host": host}
+
+
+@functools.cache
+def unit_sizes(cfg_fields):
+    """The parameters of each unit ZeRO-3 gathers (the embedding, each block, the head) of GPT(cfg), built on the
+    meta device (shapes, no memory), and each block's kind. cfg_fields: dataclasses.astuple(cfg), hashable, so that
+    a plan's search, which asks about one model at many lengths, builds it once."""
+    with torch.device("meta"):
+        model = GPT(GPTConfig(*cfg_fields))
+    return tuple(sum(p.numel() for p in u.parameters()) for u in model.units()), tuple(b.kind for b in model.blocks)
 
 
 def predicted(args, world_size, cuda=None, **changed):
