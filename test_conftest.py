@@ -34,12 +34,12 @@ def test_ranks_start():  # the first ranks start the server they fork from: seco
     assert run_ranks(2, _rank) == [0, 1]
 
 
-@pytest.mark.limit(3)
+@pytest.mark.limit(2)
 def test_ranks_that_hang():
     run_ranks(2, _hanging_rank)
 
 
-@pytest.mark.limit(3)
+@pytest.mark.limit(2)
 def test_a_launcher_whose_worker_hangs():
     launcher = start([sys.executable, "-c", "import subprocess, sys, time; "
                       f"subprocess.Popen([sys.executable, '-c', {WORKER!r}]); time.sleep(1000)"])
@@ -49,8 +49,8 @@ def test_a_launcher_whose_worker_hangs():
 
 
 def test_a_hanging_test_fails_at_its_limit_and_its_processes_end(tmp_path):
-    """Two tests that hang, limited to 3 s: rank processes asleep in run_ranks, and a launcher whose worker, in a
-    session of its own, sleeps. Each fails once its 3 s are up, naming its limit, and when they have failed no
+    """Two tests that hang, limited to 2 s: rank processes asleep in run_ranks, and a launcher whose worker, in a
+    session of its own, sleeps. Each fails once its 2 s are up, naming its limit, and when they have failed no
     process either started is running."""
     (tmp_path / "test_hanging.py").write_text(HANGING)
     pids = tmp_path / "pids"
@@ -60,7 +60,7 @@ def test_a_hanging_test_fails_at_its_limit_and_its_processes_end(tmp_path):
                             env=dict(os.environ, PYTHONPATH=HERE, PIDS=str(pids)))
     assert status == 1 and "2 failed, 1 passed" in output, output[-3000:]
     for name in ("test_ranks_that_hang", "test_a_launcher_whose_worker_hangs"):
-        assert f"{name} ran past its limit of 3 s; its processes are ended" in output, output[-3000:]
+        assert f"{name} ran past its limit of 2 s; its processes are ended" in output, output[-3000:]
     started = sorted(os.listdir(pids))
     assert started == ["launcher", "rank_0", "rank_1", "worker"], started
     for name in started:
