@@ -108,7 +108,8 @@ def ring_attention(q, k, v, group=None, layout=None, window=None, causal=True, s
     `layout` says, which a ring of several ranks needs stated, as the tokens were sharded: "zigzag" (chunks r
     and 2R-1-r of 2R, what ulysses.shard_for_sp gives with a ring group) or "contiguous" (tokens [r*L, (r+1)*L)),
     or, with position_ids, a [B, L] tensor of the global position of each of my tokens, rising along each row (the
-    token_index shard_for_sp returns, e.g. for document_layout; one more all-gather of B*L integers a call).
+    token_index shard_for_sp returns, e.g. for document_layout; one more all-gather of B*L integers a call; the
+    ranks' positions together must hold each position of the sequence once).
     Returns [B, L, Hq, D], and with return_lse=True also the log-sum-exp of each query's scores (and its sink)
     [B, L, Hq] in float32 (not differentiable). window: sliding-window attention over the last `window` tokens.
     scale: of the scores, 1/sqrt(D) by default. position_ids [B, L] (packed documents): the global positions of
@@ -144,6 +145,14 @@ def ring_attention(q, k, v, group=None, layout=None, window=None, causal=True, s
     if R > 1 and not torch.compiler.is_compiling():
         check_same_inputs(q, k, group)
     indices = None if named or R == 1 else gather_ring(layout, group)  # (R, B, L): every rank's positions
+    if indices is not None and not torch.compiler.is_compiling():  # every rank holds them all: all refuse alike
+        _, B, L = indices.shape
+        every_position = torch.arange(R * L, device=indices.device).expand(B, R * L)  # (B, S)
+        if not ((indices.diff(dim=-1) > 0).all() and
+                torch.equal(indices.transpose(0, 1).reshape(B, R * L).sort(-1).values, every_position)):
+            raise ValueError(f"layout: the ring's {R} ranks hold positions that are not a layout of its "
+                             f"{R * L} tokens: each rank's must rise along each row, and together hold each "
+                             f"position once (as shard_for_sp's token_index does)")
     layout = "given" if indices is not None else layout if R > 1 else "contiguous"
     documents = None if position_ids is None else document_ids(position_ids, group, layout, indices)  # (B, S)
     kernel = block_kernel(q.device.type, q.dtype, q.shape[-1]) if fused else "tiles"

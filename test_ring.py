@@ -209,6 +209,12 @@ def _options_rank(rank, R):
         ring.ring_attention(q, q, q, dist.group.WORLD)
     except ValueError as e:
         errors.append(str(e))
+    q = torch.zeros(1, 8, 4, 8)
+    for positions in (torch.arange(8), ring.token_index("zigzag", rank, R, 8).flip(0)):  # the same on every rank;
+        try:  # falling
+            ring.ring_attention(q, q, q, dist.group.WORLD, positions[None], position_ids=positions[None])
+        except ValueError as e:
+            errors.append(str(e))
     return results, errors
 
 
@@ -216,7 +222,7 @@ def test_ring_options_lse_and_mismatched_ranks():
     """causal=False, a softmax scale and the log-sum-exp as an output, on 3 ranks against one device in float64
     (1e-12), the fused kernel and the einsum tiles, each layout. Ranks that hold different token counts or dtypes
     get one error on every rank naming each rank's value, never a gloo abort; a ring called without its layout
-    is refused."""
+    is refused, and so are positions that are no layout (every rank the same tokens; positions that fall)."""
     R = 3
     per_rank = run_ranks(R, _options_rank)
     for i, causal in enumerate((False, False, True, True)):
@@ -240,7 +246,9 @@ def test_ring_options_lse_and_mismatched_ranks():
             "torch.float64 on rank 2; each must hold the same number of tokens of the same batch (shard_for_sp cuts "
             "them so)",
             "layout=None: a ring of 3 ranks needs the layout its tokens were sharded in, 'zigzag' "
-            "(ulysses.shard_for_sp with a ring group) or 'contiguous'"]
+            "(ulysses.shard_for_sp with a ring group) or 'contiguous'"] + [
+            "layout: the ring's 3 ranks hold positions that are not a layout of its 24 tokens: each rank's must rise "
+            "along each row, and together hold each position once (as shard_for_sp's token_index does)"] * 2
 
 
 def _large_scores(seed=2):
