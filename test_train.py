@@ -198,7 +198,7 @@ def test_bf16_loss_follows_float32(text_file):
 
 @pytest.mark.parametrize("world_size, layout, what, sent", [
     (2, ["--sp", "2"], "all-to-all", 131072),  # 2 layers * 2 ways * 4 tensors * 8 x 16 tokens x 32 x 4 bytes / 2
-    (4, ["--sp", "2", "--batch-size", "4"], "all-to-all", 65536),  # half the sequences a rank
+    (4, ["--sp", "2"], "all-to-all", 131072),  # 8 sequences a DP rank: every rank's blocks compute what sp2's do
     (2, ["--sp", "2", "--ring", "2"], "ring", 262144),  # 2 layers * 4 blocks * k, v of 8 x 16 tokens x 32 x 4 bytes
 ], ids=["sp2", "dp2xsp2", "ring2"])
 def test_compiled_training_inductor(world_size, layout, what, sent):
@@ -206,7 +206,9 @@ def test_compiled_training_inductor(world_size, layout, what, sent):
     norms and accuracy, also with a ring, whose passes are an operator in the graph (slow: inductor compiles the
     blocks on every rank). Compiled, q, k and v still travel in one all-to-all and the output in one more (a
     ring: a block forward, the block and two accumulators backward), with the bytes counted by hand: each
-    all-to-all sends half of a rank's [8 or 4, 16, 32] float32 tensor, a ring step all of its key/value block."""
+    all-to-all sends half of a rank's [8, 16, 32] float32 tensor, a ring step all of its key/value block. Every rank
+    computes on tensors of the same shapes in all three, so that the kernels inductor compiles for the first are in
+    its cache for the others."""
     argv = TRAIN_ARGS + ["--seq-len", "32"] + layout
     (eager, eager_printed), (compiled, printed) = run_ranks(world_size, train_rank, [argv, argv + ["--compile"]])[0]
     assert_same_training(compiled, eager, f"--compile on {world_size} ranks")
