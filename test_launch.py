@@ -134,7 +134,7 @@ def test_an_error_on_one_rank_stops_every_rank_with_its_line(tmp_path, text_file
 
 def test_hung_rank_ends_the_run_within_the_timeout(tmp_path):
     """A peer that stops answering: the others give up after --timeout seconds, naming the collective."""
-    launcher, _, workers = start_long_run(tmp_path, [], timeout=4)  # long enough for both ranks to start up
+    launcher, _, workers = start_long_run(tmp_path, [], timeout=4)  # the two ranks meet within 4 s of each other
     os.kill(workers[1], signal.SIGSTOP)
     stopped = time.time()
     for line in launcher.stdout:

@@ -431,7 +431,8 @@ def test_the_collectives_release_their_tensors_before_going_on():
     _gloo_lets_go waited for gloo to let go. Without that wait, gloo still held them after 1 to 9 of a rank's 50
     calls here (three runs of 2 ranks)."""
     for released in run_ranks(2, _released_rank):
-        assert len(released) == 50 and all(released), released.count(False)
+        assert len(released) == 50, f"{len(released)} collectives, not 50"
+        assert all(released), f"gloo still held the tensors after {released.count(False)} of 50 collectives"
 
 
 def test_the_wait_for_gloo_is_for_cpu_tensors_alone():
