@@ -301,10 +301,11 @@ def meeting_runs(q_index, k_index, documents):
     def runs(index):  # {document: [slice, ...]}
         new = torch.ones(len(index), dtype=torch.bool)  # (L,): where a run starts
         new[1:] = (index.diff() != 1) | (documents[index].diff() != 0)
-        starts = [*new.nonzero().flatten().tolist(), len(index)]
+        starts = new.nonzero().flatten()  # (runs,)
+        bounds = [*starts.tolist(), len(index)]
         found = {}
-        for start, stop in zip(starts, starts[1:]):
-            found.setdefault(documents[index[start]].item(), []).append(slice(start, stop))
+        for document, start, stop in zip(documents[index[starts]].tolist(), bounds, bounds[1:]):  # one read of them
+            found.setdefault(document, []).append(slice(start, stop))
         return found
     keys = runs(k_index)
     return [(queries, keys_run) for document, query_runs in runs(q_index).items() for queries in query_runs
