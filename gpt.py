@@ -25,8 +25,9 @@ import torch.utils.checkpoint
 from deltanet import GatedDeltaNet, gated_delta_net
 from ring import ring_attention, ring_bytes
 from tiled import at_least_float32, tiled_lm_loss, tiled_mlp
-from ulysses import (all_to_all_bytes, causal_attention, check_shards, document_attention, gather_sequence,
-                     head_layout, kernel_kv_heads, sliding_window_attention, size_and_rank, ulysses_attention)
+from ulysses import (all_to_all_bytes, attention_layer, causal_attention, check_shards, document_attention,
+                     gather_sequence, head_layout, kernel_kv_heads, rope_cos_sin, sliding_window_attention,
+                     size_and_rank)
 
 
 @dataclass
@@ -92,20 +93,6 @@ PRESETS = {"llama3-8b": dict(n_layer=32, n_embd=4096, n_head=32, n_kv_head=8, vo
                              intermediate_size=14336, rope_base=500000.0)}
 
 
-def rope_cos_sin(position_ids, head_dim, base):
-    """position_ids [B, S] (global positions) -> cos, sin [B, S, 1, head_dim] for rotate-half RoPE."""
-    inv_freq = base ** -(torch.arange(0, head_dim, 2, device=position_ids.device, dtype=torch.float32) / head_dim)
-    angles = position_ids.float()[..., None] * inv_freq  # (B, S, D/2)
-    angles = torch.cat([angles, angles], dim=-1)[:, :, None, :]  # (B, S, 1, D)
-    return angles.cos(), angles.sin()
-
-
-def apply_rope(x, cos, sin):
-    """x [B, S, H, D]: rotate each pair (x_i, x_{i+D/2}) by its position's angle."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return (x * cos + torch.cat([-x2, x1], dim=-1) * sin).to(x.dtype)
-
-
 class Attention(nn.Module):
     def __init__(self, cfg, sp_group):
         super().__init__()
@@ -116,13 +103,9 @@ class Attention(nn.Module):
         self.sinks = nn.Parameter(torch.zeros(cfg.n_head)) if cfg.sinks else None
         self.sp_group = sp_group
 
-    def forward(self, x, cos, sin, attend):
-        B, S_local, _ = x.shape
-        qkv = self.qkv(x).view(B, S_local, -1, self.head_dim)  # (B, S_local, n_head + 2*n_kv_head, D)
-        q, k, v = qkv.split([self.n_head, self.n_kv_head, self.n_kv_head], 2)  # (B, S_local, heads, D) each
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # rotated by their global positions
-        y = ulysses_attention(q, k, v, self.sp_group, attend, sinks=self.sinks)  # (B, S_local, n_head, D)
-        return self.proj(y.reshape(B, S_local, -1))  # (B, S_local, h)
+    def forward(self, x, cos, sin, attend):  # (B, S_local, h) -> (B, S_local, h); q and k rotated by global position
+        return attention_layer(x, self.qkv.weight, self.proj.weight, self.n_head, self.n_kv_head, self.sp_group,
+                               attend, cos, sin, sinks=self.sinks)
 
     def all_to_all_bytes(self, tokens, element_bytes):
         """(forward, backward) bytes this rank sends per call on `tokens` local tokens: q, k and v to the other

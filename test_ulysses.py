@@ -16,6 +16,7 @@ from functools import partial
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch._dynamo.testing import CompileCounterWithBackend
 
 import ring
@@ -132,19 +133,147 @@ def test_ulysses_attention_matches_one_device(world_size):
         out.backward(grad_out)
         got = [torch.cat(pieces, dim=1) for pieces in zip(*(r[i][0] for r in per_rank))]
         assert_all_close(got, [out, q.grad, k.grad, v.grad], where=f"P={P} Hq={Hq} Hkv={Hkv} {attn_fn.__name__}")
-        query, kv = _layout_by_hand(Hq, Hkv, P)
         unit = 2 * 24 // P * 8 * 4  # bytes of one head of a rank's tokens: B * S/P * D float32
         for rank, (_, stats) in enumerate(r[i] for r in per_rank):
-            others = [j for j in range(P) if j != rank]
-            to_heads = sum(len(query[j]) + 2 * len(kv[j]) for j in others)  # q, k, v: other ranks' heads
-            to_seq = (P - 1) * len(query[rank])  # the output: my heads of the other ranks' tokens
-            assert stats["forward"] == {"calls": 2, "bytes": unit * (to_heads + to_seq)}
-            back_to_heads = sum(len(query[j]) for j in others)  # the output's gradient, then q's, k's and v's
-            back_to_seq = (P - 1) * (len(query[rank]) + 2 * len(kv[rank]))
-            assert stats["backward"] == {"calls": 2, "bytes": unit * (back_to_heads + back_to_seq)}
+            forward, backward = _heads_sent_by_hand(Hq, Hkv, P, rank)
+            assert stats == {"forward": {"calls": 2, "bytes": unit * forward},
+                             "backward": {"calls": 2, "bytes": unit * backward}}
             if Hq % P == 0 and (Hkv % P == 0 or P % Hkv == 0):  # even: what the even split always sent
                 kv_sent = Hkv if Hkv % P == 0 else P  # P % Hkv == 0: every rank gets one kv head
                 assert stats["forward"]["bytes"] == unit * (2 * Hq + 2 * kv_sent) * (P - 1) // P
+
+
+def _heads_sent_by_hand(Hq, Hkv, P, rank):
+    """(forward, backward): how many heads of its S/P tokens rank `rank` sends in one attention layer."""
+    query, kv = _layout_by_hand(Hq, Hkv, P)
+    others = [j for j in range(P) if j != rank]
+    to_heads = sum(len(query[j]) + 2 * len(kv[j]) for j in others)  # q, k, v: other ranks' heads
+    to_seq = (P - 1) * len(query[rank])  # the output: my heads of the other ranks' tokens
+    back_to_heads = sum(len(query[j]) for j in others)  # the output's gradient, then q's, k's and v's
+    back_to_seq = (P - 1) * (len(query[rank]) + 2 * len(kv[rank]))
+    return to_heads + to_seq, back_to_heads + back_to_seq
+
+
+# the attention layer, projections included: ulysses.attention_layer, as gpt.py runs it
+
+LAYER_CASES = {  # P: (B, Hq, Hkv, the kernel and its arguments); B = 1 with even heads takes the layer's own path
+    2: [(1, 4, 2, "causal"), (1, 4, 4, "window"), (1, 4, 2, "documents"), (1, 4, 2, "sinks"), (2, 4, 2, "causal")],
+    4: [(1, 8, 4, "causal"), (1, 4, 4, "documents"), (1, 6, 2, "causal")]}
+LAYER_S, LAYER_D = 24, 8
+LAYER_POSITIONS = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 0, 1, 2, 3, 0, 1, 2, 3, 4]])
+
+
+def _layer_inputs(B, Hq, Hkv, kernel):
+    """x, the qkv and output weights, sinks, float64; RoPE's tables of the whole sequence; the kernel and the
+    keyword arguments the layer passes it."""
+    g = torch.Generator().manual_seed(Hq * 10 + Hkv + B)
+    E = Hq * LAYER_D
+    tensors = [torch.randn(B, LAYER_S, E, generator=g, dtype=torch.float64),
+               torch.randn((Hq + 2 * Hkv) * LAYER_D, E, generator=g, dtype=torch.float64) / E**0.5,
+               torch.randn(E, E, generator=g, dtype=torch.float64) / E**0.5,
+               torch.randn(Hq, generator=g, dtype=torch.float64)]
+    positions = LAYER_POSITIONS if kernel == "documents" else torch.arange(LAYER_S)[None]
+    cos, sin = ulysses.rope_cos_sin(positions.expand(B, -1), LAYER_D, 10000.0)
+    attn_fn, kwargs = {"causal": (ulysses.causal_attention, {}),
+                       "window": (ulysses.sliding_window_attention, {"window": 5}),
+                       "documents": (ulysses.document_attention, {"position_ids": LAYER_POSITIONS.expand(B, -1)}),
+                       "sinks": (ring.ring_attention, {})}[kernel]
+    return tensors, cos, sin, attn_fn, kwargs
+
+
+def _layer_rank(rank, world_size):
+    results = []
+    for B, Hq, Hkv, kernel in LAYER_CASES[world_size]:
+        (x, *weights, sinks), cos, sin, attn_fn, kwargs = _layer_inputs(B, Hq, Hkv, kernel)
+        mine = [sp_slice(x, rank, world_size).requires_grad_(), *(w.requires_grad_() for w in weights)]
+        sinks = sinks.requires_grad_() if kernel == "sinks" else None
+        ulysses.reset_all_to_all_stats()
+        out = ulysses.attention_layer(*mine, Hq, Hkv, dist.group.WORLD, attn_fn, sp_slice(cos, rank, world_size),
+                                      sp_slice(sin, rank, world_size), sinks=sinks, **kwargs)
+        out.backward(torch.ones_like(out))
+        leaves = mine + ([sinks] if sinks is not None else [])
+        stats = {d: dict(c) for d, c in ulysses.all_to_all_stats.items()}
+        results.append(([out.detach()] + [t.grad for t in leaves], stats))
+    return results
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_attention_layer_matches_one_device(world_size):
+    """attention_layer, projections and RoPE included, against the plain layer on one device in float64: output
+    and the gradients of x, both weights and the sinks (the weights' summed over the ranks). Causal, windowed and
+    packed-document kernels, the ring's kernel with sinks, GQA; with one sequence a rank and even heads it takes
+    its own path (one all-to-all forward each way, dq, dk and dv in three calls backward), otherwise the plain
+    matmuls around ulysses_attention. Each rank sends what ulysses_attention would: the bytes of its heads."""
+    per_rank = run_ranks(world_size, _layer_rank)
+    for i, (B, Hq, Hkv, kernel) in enumerate(LAYER_CASES[world_size]):
+        (x, qkv_weight, out_weight, sinks), cos, sin, attn_fn, kwargs = _layer_inputs(B, Hq, Hkv, kernel)
+        leaves = [x, qkv_weight, out_weight] + ([sinks] if kernel == "sinks" else [])
+        leaves = [t.requires_grad_() for t in leaves]
+        q, k, v = F.linear(x, qkv_weight).view(B, LAYER_S, -1, LAYER_D).split([Hq, Hkv, Hkv], 2)
+        q, k = ulysses.apply_rope(q, cos, sin), ulysses.apply_rope(k, cos, sin)
+        if kernel == "sinks":
+            kwargs = {"sinks": leaves[3]}
+        out = F.linear(attn_fn(q, k, v, **kwargs).flatten(2), out_weight)  # (B, S, E)
+        want = [out, *torch.autograd.grad(out, leaves, torch.ones_like(out))]
+        got = [torch.cat([r[i][0][0] for r in per_rank], dim=1), torch.cat([r[i][0][1] for r in per_rank], dim=1),
+               *(sum(r[i][0][j] for r in per_rank) for j in range(2, len(want)))]
+        assert_all_close(got, want, rtol=1e-10, atol=1e-10, where=f"P={world_size} B={B} Hq={Hq} Hkv={Hkv} {kernel}")
+        own_path = B == 1 and Hq % world_size == 0 and Hkv % world_size == 0
+        unit = B * LAYER_S // world_size * LAYER_D * 8  # bytes of one head of a rank's tokens, float64
+        for rank, (_, stats) in enumerate(r[i] for r in per_rank):
+            forward, backward = _heads_sent_by_hand(Hq, Hkv, world_size, rank)
+            assert stats == {"forward": {"calls": 2, "bytes": unit * forward},
+                             "backward": {"calls": 4 if own_path else 2, "bytes": unit * backward}}, (B, Hq, Hkv)
+
+
+def _layer_copies_rank(rank, world_size, dtype):
+    from bench import CopiedBytes  # noqa: the measurement's own counter
+    (x, qkv_weight, out_weight, _), cos, sin, _, _ = _layer_inputs(1, 4, 2, "causal")
+    leaves = [t.to(dtype).requires_grad_() for t in (sp_slice(x, rank, world_size), qkv_weight, out_weight)]
+    with CopiedBytes() as forward:
+        out = ulysses.attention_layer(*leaves, 4, 2, dist.group.WORLD, None, sp_slice(cos, rank, world_size),
+                                      sp_slice(sin, rank, world_size))
+    with CopiedBytes() as backward:
+        torch.autograd.grad(out, leaves, torch.ones_like(out))
+    return forward.bytes, backward.bytes
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bf16"])
+def test_attention_layer_copies_nothing(dtype):
+    """The layer's own path writes each step's result where the next step reads it: no copy outside the
+    collectives, forward or backward (copies counted by bench.CopiedBytes, the count BENCHMARKS reports)."""
+    assert run_ranks(2, _layer_copies_rank, dtype) == [(0, 0), (0, 0)]
+
+
+def _layer_autocast_rank(rank, world_size):
+    (x, *weights, _), cos, sin, _, _ = _layer_inputs(1, 4, 2, "causal")
+    results = []
+    for group, part in ((None, lambda t: t), (dist.group.WORLD, partial(sp_slice, rank=rank, world_size=world_size))):
+        leaves = [part(x).float().requires_grad_(), *(w.float().requires_grad_() for w in weights)]
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = ulysses.attention_layer(*leaves, 4, 2, group, None, part(cos), part(sin))
+        out.float().sum().backward()
+        results.append([out.float().detach()] + [t.grad for t in leaves])
+    return results
+
+
+def test_attention_layer_under_bf16_autocast():
+    """Under bf16 autocast the layer's own path is as accurate as the plain layer on one device under autocast:
+    measured against the plain layer in float64, its error in the output and in each gradient is at most twice
+    the plain layer's, whose matmuls round the same products differently."""
+    per_rank = run_ranks(2, _layer_autocast_rank)
+    (x, qkv_weight, out_weight, _), cos, sin, _, _ = _layer_inputs(1, 4, 2, "causal")
+    leaves = [t.requires_grad_() for t in (x, qkv_weight, out_weight)]
+    q, k, v = F.linear(x, qkv_weight).view(1, LAYER_S, -1, LAYER_D).split([4, 2, 2], 2)
+    out = F.linear(ulysses.causal_attention(ulysses.apply_rope(q, cos, sin), ulysses.apply_rope(k, cos, sin),
+                                            v).flatten(2), out_weight)
+    exact = [out, *torch.autograd.grad(out.sum(), leaves)]
+    plain = per_rank[0][0]
+    layer = [torch.cat([r[1][0] for r in per_rank], dim=1), torch.cat([r[1][1] for r in per_rank], dim=1),
+             *(sum(r[1][j] for r in per_rank) for j in (2, 3))]
+    for name, want, a, b in zip(("out", "dx", "dW_qkv", "dW_out"), exact, plain, layer):
+        plain_error, layer_error = ((t.double() - want).abs().max().item() for t in (a, b))
+        assert 0 < layer_error <= 2 * plain_error, f"{name}: {layer_error:.2e} against {plain_error:.2e}"
 
 
 def _dense_attention(q, k, v, allowed):

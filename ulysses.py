@@ -28,7 +28,9 @@ Four rules make training on P ranks equal to training on one device; this file h
 
 The file reads down the call path. First comes the all-to-all of one tensor: the idea, whole. Then comes
 `ulysses_attention`, and what it calls in that order: the head layout, seq_to_heads and heads_to_seq, and the
-exchange that moves q, k and v in one call. Then the attention kernels, and the batch and the loss (rules 1, 2
+exchange that moves q, k and v in one call. Then `attention_layer`, the whole layer a model calls (gpt.py does):
+its projections write the message and read what comes back, so nothing is copied around the all-to-alls. Then
+the attention kernels, and the batch and the loss (rules 1, 2
 and 4). The plumbing comes last: what torch.compile sees of the exchange, the byte counts, and the wait that lets
 a script exit cleanly. It depends on torch alone (2.5 or later; shard_for_sp on ring.py for a ring's layouts): copy
 it into your own project. `python bench.py
@@ -145,8 +147,8 @@ def ulysses_attention(q, k, v, group=None, attn_fn=None, check=True, sinks=None,
     if sinks is not None:  # my kernel gets the sinks of the query heads I hold
         attn_kwargs["sinks"] = sinks[query_heads[rank].start:query_heads[rank].stop]  # (Hq,) -> (hq,)
     q, k, v = seq_to_heads((q, k, v), group, (query_heads, kv_heads, kv_heads))  # (B, S, hq, D), (B, S, hkv, D) x2
-    uses = kernel_kv_heads(n_head, n_kv_head, P, rank)
-    if len(uses) > len(kv_heads[rank]):  # one kv head per query head, by indexing, in head-major memory
+    uses = kernel_kv_heads(n_head, n_kv_head, P, rank)  # the kv heads my kernel gets, of those I hold
+    if uses != list(range(len(kv_heads[rank]))):  # not mine as they are: one per query head, by indexing
         k, v = (t.transpose(1, 2)[:, uses].transpose(1, 2) for t in (k, v))  # (B, S, hkv, D) -> (B, S, hq, D)
     return heads_to_seq(attn_fn(q, k, v, **attn_kwargs), group, query_heads)  # (B, S/P, Hq, D)
 
@@ -185,10 +187,11 @@ def head_layout(n_head, n_kv_head, P):
 
 
 def kernel_kv_heads(n_head, n_kv_head, P, rank):
-    """The kv heads rank `rank`'s kernel gets, as indices into the kv heads it holds. Kernels with grouped-query
-    attention take query head i to use kv head i // (hq / hkv). Where the rank's heads do not split that way (8
-    heads, 2 kv heads, sp 3: the middle rank holds query heads 3, 4, 5, which use kv heads 0, 1, 1), k and v are
-    expanded to one kv head per query head, after the all-to-all, never on the wire."""
+    """The kv heads rank `rank`'s kernel gets, in order, as indices into the kv heads the rank holds. Kernels with
+    grouped-query attention take query head i to use kv head i // (hq / hkv): where the rank's heads pair that
+    way, the kernel gets every kv head the rank holds, as it is, [0, 1, ..., hkv - 1]. Where they do not (8
+    heads, 2 kv heads, sp 3: the middle rank holds query heads 3, 4, 5, which use kv heads 0, 1, 1), it gets one
+    kv head per query head ([0, 1, 1]), k and v expanded after the all-to-all, never on the wire."""
     query_heads, kv_heads = head_layout(n_head, n_kv_head, P)
     hq, hkv = len(query_heads[rank]), len(kv_heads[rank])
     uses = [h // (n_head // n_kv_head) - kv_heads[rank].start for h in query_heads[rank]]  # each query head's kv head
@@ -274,29 +277,31 @@ def _exchange_op(tensors: list[torch.Tensor], head_bounds: list[int], to_heads: 
     # pieces[j]: what rank j gets, tensor by tensor, as views of the inputs
     pieces = [[t.narrow(split_dim, ranges[j].start, len(ranges[j])) for t, ranges in zip(tensors, send)]
               for j in range(P)]  # (B, S/P, H, D) -> (B, S/P, H_j, D)
-    joined = [_joined(t, t_heads, to_heads, P, rank) for t, t_heads in zip(tensors, heads)]  # (B, S, H_rank, D)
-    # places[i]: where what rank i sends lands, tensor by tensor, as views of the outputs
-    places = [[out.narrow(join_dim, ranges[i].start, len(ranges[i])) for out, ranges in zip(joined, receive)]
-              for i in range(P)]  # (B, S, H_rank, D) -> (B, S/P, H_rank, D): rank i's tokens
 
     # 1. one copy into the send buffer, destination by destination; my own pieces stay where they are
     outgoing = [piece for j in others for piece in pieces[j]]
     send_buffer = tensors[0].new_empty(sum(piece.numel() for piece in outgoing))  # flat
     for slot, piece in zip(send_buffer.split([piece.numel() for piece in outgoing]), outgoing):
         slot.view(piece.shape).copy_(piece)
-    # 2. one collective
+    # 2. one collective. Rank i sends me its S/P tokens of my heads (on the way back: my S/P tokens of its heads)
+    arriving = [[t.shape[0] * S_local * len(t_heads[rank] if to_heads else t_heads[i]) * t.shape[3]
+                 for t, t_heads in zip(tensors, heads)] for i in range(P)]  # elements from rank i, by tensor
     send_sizes = [0 if j == rank else sum(piece.numel() for piece in pieces[j]) for j in range(P)]
-    receive_sizes = [0 if i == rank else sum(place.numel() for place in places[i]) for i in range(P)]
+    receive_sizes = [0 if i == rank else sum(arriving[i]) for i in range(P)]
     receive_buffer = send_buffer.new_empty(sum(receive_sizes))  # flat
     with _gloo_lets_go(receive_buffer, send_buffer):
         dist.all_to_all_single(receive_buffer, send_buffer, receive_sizes, send_sizes, group=group)
     _count(direction, send_buffer.nbytes)
     # The send buffer is done with (gloo has sent it when the call returns; on CUDA the memory is reused only by
-    # later work on the same stream), so its memory goes now, before the outputs are filled: the two never
+    # later work on the same stream), so its memory goes now, before the outputs are made: the two never
     # coexist. Resized rather than just dropped, because on CUDA the backend may still hold a reference.
     send_buffer.untyped_storage().resize_(0)
     # 3. one copy out of the receive buffer (and out of my own pieces) into the joined tensors
-    received = receive_buffer.split([place.numel() for i in others for place in places[i]])  # flat pieces
+    joined = [_joined(t, t_heads, to_heads, P, rank) for t, t_heads in zip(tensors, heads)]  # (B, S, H_rank, D)
+    # places[i]: where what rank i sends lands, tensor by tensor, as views of the outputs
+    places = [[out.narrow(join_dim, ranges[i].start, len(ranges[i])) for out, ranges in zip(joined, receive)]
+              for i in range(P)]  # (B, S, H_rank, D) -> (B, S/P, H_rank, D): rank i's tokens
+    received = receive_buffer.split([n for i in others for n in arriving[i]])  # flat pieces
     n = len(tensors)
     from_rank = {i: received[k * n:(k + 1) * n] for k, i in enumerate(others)}  # rank i's n pieces, in order
     from_rank[rank] = pieces[rank]
@@ -330,6 +335,167 @@ def _joined(t, heads, to_heads, P, me):
     if to_heads:  # head-major memory, [B, heads, S, D], read as [B, S, heads, D]
         return torch.empty_permuted((B, S_in * P, len(heads[me]), D), (0, 2, 1, 3), dtype=t.dtype, device=t.device)
     return t.new_empty(B, S_in // P, heads[-1].stop, D)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the attention layer: projections that write the message and read what comes back
+#
+# ulysses_attention takes q, k and v as a model made them, so it copies them into a send buffer, and what it
+# receives into the layout its caller wants. A model's attention layer can do without both copies, by writing
+# each step's result where the next step reads it. For P = 2 on rank 0, one sequence (t0, t1: the two halves of
+# the sequence; h0, h1: the heads of ranks 0 and 1; q k v: a rank's q, k and v heads side by side, n of them):
+#
+#     send[j] = x @ (W's rows of rank j's heads)^T         [P, S/P, n, D]   the qkv projection writes it, row by
+#                                                                           row; RoPE turns q and k there
+#     send    [ qkv(t0, h0) | qkv(t0, h1) ]   all-to-all   receive [ qkv(t0, h0) | qkv(t1, h0) ]   [S, n, D]
+#     q, k, v = receive[:, :hq], receive[:, hq:hq+hkv], receive[:, hq+hkv:]      views, the tokens in order
+#     y = attn_fn(q, k, v)                                  [S, hq, D]      token-major, as kernels return it
+#     y, its rows by rank   all-to-all   back [ y(t0, h0) | y(t0, h1) ]    y is the send buffer as it is
+#     out = sum over ranks i of back[i] @ (W_out's columns of rank i's heads)^T    [S/P, E]
+#
+# Backward is the same picture reversed: the output projection's backward writes the send buffer row by row; the
+# kernel's gradients of q, k and v travel as the kernel returns them, in one call each (one call would need them
+# joined in one buffer, a copy of every byte); the qkv projection's backward reads them where they land. Nothing
+# is copied outside the collectives, either way. This needs the heads to split evenly (P divides n_head and
+# n_kv_head) and one sequence a rank (B = 1, the long-sequence case). Anything else, and a layer being compiled,
+# runs as plain matmuls around ulysses_attention.
+
+
+def rope_cos_sin(position_ids, head_dim, base):
+    """position_ids [B, S] (global positions) -> cos, sin [B, S, 1, head_dim] for rotate-half RoPE."""
+    inv_freq = base ** -(torch.arange(0, head_dim, 2, device=position_ids.device, dtype=torch.float32) / head_dim)
+    angles = position_ids.float()[..., None] * inv_freq  # (B, S, D/2)
+    angles = torch.cat([angles, angles], dim=-1)[:, :, None, :]  # (B, S, 1, D)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x, cos, sin):
+    """x [B, S, H, D]: rotate each pair (x_i, x_{i+D/2}) by its position's angle."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return (x * cos + torch.cat([-x2, x1], dim=-1) * sin).to(x.dtype)
+
+
+def attention_layer(x, qkv_weight, out_weight, n_head, n_kv_head, group=None, attn_fn=None, cos=None, sin=None,
+                    sinks=None, **attn_kwargs):
+    """A transformer's attention layer when each rank holds S/P tokens: x [B, S/P, E] -> [B, S/P, E]. It computes
+    the heads of x @ qkv_weight^T (its rows: q's, then k's, then v's, as one nn.Linear holds them), RoPE on q and k
+    by cos and sin [B, S/P, 1, D] (rope_cos_sin at my tokens' global positions; None: no RoPE), attn_fn over the
+    full sequence with sinks and attn_kwargs (as ulysses_attention runs it), and the result @ out_weight^T
+    ([E, n_head D]). Under autocast the matmuls run in its dtype, as nn.Linear's would. group=None or a group of
+    one rank: no communication."""
+    attn_fn = attn_fn or causal_attention
+    (P, rank), (B, S_local) = size_and_rank(group), x.shape[:2]
+    D = qkv_weight.shape[0] // (n_head + 2 * n_kv_head)
+    dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+    x, qkv_weight, out_weight = (t.to(dtype) for t in (x, qkv_weight, out_weight))  # the casts F.linear makes
+    if P == 1 or B > 1 or n_head % P or n_kv_head % P or torch.compiler.is_compiling():
+        q, k, v = F.linear(x, qkv_weight).view(B, S_local, -1, D).split([n_head, n_kv_head, n_kv_head], 2)
+        if cos is not None:
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # (B, S/P, heads, D)
+        y = ulysses_attention(q, k, v, group, attn_fn, sinks=sinks, **attn_kwargs)  # (B, S/P, n_head, D)
+        return F.linear(y.flatten(2), out_weight)  # (B, S/P, E)
+    check_shards(x, group)
+    heads = (n_head // P, n_kv_head // P, n_kv_head // P)  # my q, k and v heads, as every rank's
+    if sinks is not None:  # my kernel gets the sinks of my query heads
+        attn_kwargs["sinks"] = sinks.to(dtype)[rank * heads[0]:(rank + 1) * heads[0]]  # (n_head,) -> (hq,)
+    with torch.autocast(x.device.type, enabled=False):  # cast already: the matmuls run in x's dtype
+        q, k, v = _ProjectAndSend.apply(x.flatten(0, 1), qkv_weight, cos, sin, heads, group)  # (1, S, h, D) x 3
+    y = attn_fn(q, k, v, **attn_kwargs)  # (1, S, hq, D)
+    with torch.autocast(x.device.type, enabled=False):
+        return _SendAndProject.apply(y, out_weight, group).unsqueeze(0)  # (S/P, E) -> (1, S/P, E)
+
+
+class _ProjectAndSend(torch.autograd.Function):
+    """x [S/P, E] -> q, k, v [1, S, h, D]: the qkv projection into the send buffer, RoPE there, the all-to-all,
+    and the receive buffer's views. Backward: dq, dk and dv sent as they are, and the projection's backward read
+    from where they land."""
+
+    @staticmethod
+    def forward(ctx, x, weight, cos, sin, heads, group):
+        P = dist.get_world_size(group)
+        ctx.save_for_backward(x, weight, cos, sin)
+        ctx.heads, ctx.group = heads, group
+        first = [sum(heads[:t]) for t in range(4)]  # where q, k and v start in a rank's n heads, and n
+        send = x.new_empty(P, x.shape[0], first[3], weight.shape[0] // (P * first[3]))  # (P, S/P, n, D)
+        for j, t, rows in _rows_by_rank(weight, heads, P):
+            torch.mm(x, rows.T, out=send[j, :, first[t]:first[t + 1]].flatten(1))  # (S/P, E) @ (E, h D), in place
+        if cos is not None:  # q and k: the first hq + hkv heads of each row
+            _rotate_(send[:, :, :first[2]], cos[0], sin[0])
+        received = _all_to_all(send, group, "forward")  # (P, S/P, n, D): rank i's tokens of my heads, by rank
+        return received.flatten(0, 1)[None].split(heads, dim=2)  # (1, S, n, D) -> (1, S, h, D) x 3, views
+
+    @staticmethod
+    def backward(ctx, *grads):
+        x, weight, cos, sin = ctx.saved_tensors
+        P = dist.get_world_size(ctx.group)
+        # the gradients of what I sent: row j of each is rank j's heads of my tokens, (P, S/P, h, D)
+        back = [_all_to_all(g.contiguous().unflatten(1, (P, -1))[0], ctx.group, "backward") for g in grads]
+        if cos is not None:  # RoPE's backward: the inverse turn
+            _rotate_(back[0], cos[0], -sin[0])
+            _rotate_(back[1], cos[0], -sin[0])
+        dx, dweight = torch.zeros_like(x), torch.empty_like(weight)  # (S/P, E), ((n_head + 2 n_kv_head) D, E)
+        for (j, t, rows), (_, _, d_rows) in zip(_rows_by_rank(weight, ctx.heads, P),
+                                                _rows_by_rank(dweight, ctx.heads, P)):
+            d_out = back[t][j].flatten(1)  # (S/P, h D)
+            dx.addmm_(d_out, rows)  # (S/P, h D) @ (h D, E)
+            torch.mm(d_out.T, x, out=d_rows)  # (h D, S/P) @ (S/P, E): these rows' gradient, in place
+        return dx, dweight, None, None, None, None
+
+
+def _rows_by_rank(weight, heads, P):
+    """(j, t, rows) for each rank j and each of q, k, v (t = 0, 1, 2): the rows of the qkv weight [(n_head + 2
+    n_kv_head) D, E] that make rank j's heads of it, [h D, E], a view."""
+    parts = weight.split([P * h * weight.shape[0] // (P * sum(heads)) for h in heads])  # q's rows, k's, v's
+    for j in range(P):
+        for t, part in enumerate(parts):
+            yield j, t, part.chunk(P)[j]
+
+
+class _SendAndProject(torch.autograd.Function):
+    """y [1, S, hq, D] -> [S/P, E]: y sent to the ranks whose tokens it holds, and the output projection of the
+    blocks as they come. Backward: the projection's backward written into the send buffer, and the all-to-all."""
+
+    @staticmethod
+    def forward(ctx, y, weight, group):
+        P = dist.get_world_size(group)
+        send = y.contiguous().view(P, -1, y.shape[2] * y.shape[3])  # (P, S/P, hq D): row i for rank i, as it is
+        back = _all_to_all(send, group, "forward")  # row i: my tokens of rank i's heads
+        ctx.save_for_backward(back, weight)
+        ctx.group, ctx.y_shape = group, y.shape
+        out = y.new_zeros(back.shape[1], weight.shape[0])  # (S/P, E)
+        for i, columns in enumerate(weight.chunk(P, dim=1)):  # rank i's heads' columns, (E, hq D)
+            out.addmm_(back[i], columns.T)  # (S/P, hq D) @ (hq D, E)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        back, weight = ctx.saved_tensors
+        P = len(back)
+        send, dweight = torch.empty_like(back), torch.empty_like(weight)  # (P, S/P, hq D), (E, n_head D)
+        for i, (columns, d_columns) in enumerate(zip(weight.chunk(P, dim=1), dweight.chunk(P, dim=1))):
+            torch.mm(grad, columns, out=send[i])  # (S/P, E) @ (E, hq D): row i, for rank i's heads
+            torch.mm(grad.T, back[i], out=d_columns)  # (E, S/P) @ (S/P, hq D), in place
+        dy = _all_to_all(send, ctx.group, "backward")  # (P, S/P, hq D): my heads' gradient, rank i's tokens at row i
+        return dy.view(ctx.y_shape), dweight, None
+
+
+def _all_to_all(send, group, direction):
+    """Row j of send [P, ...] goes to rank j; row i of what returns came from rank i. One call, no copy."""
+    received = torch.empty_like(send)
+    with _gloo_lets_go(received, send):
+        dist.all_to_all_single(received, send, group=group)
+    _count(direction, send.nbytes // len(send) * (len(send) - 1))  # row `rank` stays here
+    return received
+
+
+def _rotate_(x, cos, sin):
+    """apply_rope in place, on a buffer autograd does not see: x [..., S/P, heads, D], cos and sin [S/P, 1, D].
+    With sin negated, the inverse turn: RoPE's backward."""
+    x1, x2 = x.chunk(2, dim=-1)
+    c, s = cos.chunk(2, dim=-1)[0], sin.chunk(2, dim=-1)[0]  # (S/P, 1, D/2): the halves repeat
+    x1_sin = x1 * s
+    x1.mul_(c).addcmul_(x2, s, value=-1)  # x1 cos - x2 sin
+    x2.mul_(c).add_(x1_sin)  # x2 cos + x1 sin
 
 
 # ----------------------------------------------------------------------------------------------------------------
