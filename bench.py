@@ -42,7 +42,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+import torch.utils._pytree as pytree
+from torch._library.custom_ops import _maybe_get_opdef
 from torch.distributed.device_mesh import init_device_mesh
+from torch.utils._python_dispatch import TorchDispatchMode
 from tqdm import tqdm
 
 import gpt
@@ -126,15 +129,27 @@ def median_seconds(run, repetitions):
 #     (b) has an all-to-all, the price of synchronization alone;
 # (b) ulysses_attention: q, k and v in one all-to-all;
 # (c) q, k and v in three all-to-alls, with the copies DeepSpeed's DistributedAttention makes: ulysses.all_to_all;
-# (d) every rank all-gathers k and v and attends with its own queries; backward reduce-scatters dk and dv.
+# (d) every rank all-gathers k and v and attends with its own queries; backward reduce-scatters dk and dv;
+# (e) the model's layer, projections and RoPE included: ulysses.attention_layer, as gpt.py runs it;
+# (f) the same layer on (c): projections, RoPE and three all-to-alls, as a model written on them would run.
+# Each is timed, and its bytes sent, its bytes copied outside the collective and its peak memory are counted.
 
-gather_stats = {"bytes": 0}  # what (d) has sent; (b) and (c) count theirs in ulysses.all_to_all_stats
+gather_stats = {"bytes": 0}  # what (d) has sent; the others count theirs in ulysses.all_to_all_stats
 
 
-def three_all_to_alls(q, k, v, group):
+def three_all_to_alls(q, k, v, group, attn_fn=ulysses.causal_attention):
     """(c): ulysses_attention with q, k and v in three all-to-alls (P must divide both head counts)."""
     q, k, v = (ulysses.all_to_all(t, group, 2, 1) for t in (q, k, v))  # (B, S, heads/P, D)
-    return ulysses.all_to_all(ulysses.causal_attention(q, k, v), group, 1, 2)  # (B, S/P, H, D)
+    return ulysses.all_to_all(attn_fn(q, k, v), group, 1, 2)  # (B, S/P, H, D)
+
+
+def three_call_layer(x, qkv_weight, out_weight, n_head, n_kv_head, group, attn_fn, cos, sin):
+    """(f): gpt.py's attention layer as it would be on (c): project, rotate, three all-to-alls, project."""
+    B, S_local, _ = x.shape
+    qkv = F.linear(x, qkv_weight).view(B, S_local, n_head + 2 * n_kv_head, -1)  # (B, S/P, heads, D)
+    q, k, v = qkv.split([n_head, n_kv_head, n_kv_head], dim=2)
+    q, k = ulysses.apply_rope(q, cos, sin), ulysses.apply_rope(k, cos, sin)
+    return F.linear(three_all_to_alls(q, k, v, group, attn_fn).flatten(2), out_weight)  # (B, S/P, n)
 
 
 class _GatherSequence(torch.autograd.Function):
@@ -184,66 +199,152 @@ class _Barrier(torch.autograd.Function):
         return None, *grads
 
 
-def _variants(group):
-    """name -> f(q, k, v, heads): each variant's forward. heads are (a)'s q, k, v, laid out as the all-to-all
-    leaves them (head-major, H/P heads)."""
-    def kernel_alone(q, k, v, heads):
-        return ulysses.causal_attention(*(t.transpose(1, 2) for t in heads))
+class _CopyQ(torch.autograd.Function):
+    """--kernel copy: a stand-in kernel that only copies q, into [B, S, H, D] memory as attention kernels return
+    their output, so that the exchange is all there is to time. Backward hands the gradient to q and zeros to k
+    and v, so that every all-to-all of backward runs, as it does with a real kernel."""
 
-    def kernel_with_barriers(q, k, v, heads):
-        return _Barrier.apply(group, kernel_alone(q, k, v, _Barrier.apply(group, *heads)))[0]
+    @staticmethod
+    def forward(ctx, q, k, v):
+        ctx.kv = [(t.shape, t.dtype) for t in (k, v)]
+        return q.clone(memory_format=torch.contiguous_format)
 
-    return {"(a) kernel alone": kernel_alone, "(a) with 4 barriers": kernel_with_barriers,
-            "(b) ulysses_attention": lambda q, k, v, heads: ulysses.ulysses_attention(q, k, v, group),
-            "(c) 3 all-to-alls": lambda q, k, v, heads: three_all_to_alls(q, k, v, group),
-            "(d) all-gather k, v": lambda q, k, v, heads: gathered_kv(q, k, v, group)}
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, *(grad.new_zeros(shape, dtype=dtype) for shape, dtype in ctx.kv)
 
 
-def _forward_backward(variant, inputs):
-    """The input gradients are returned, as a model's projections take them, not accumulated into .grad: that
-    would copy (a)'s into the head-major layout of its inputs, a copy no other variant makes."""
-    out = variant(*inputs[:3], inputs[3:])
-    return torch.autograd.grad(out, inputs, torch.ones_like(out), allow_unused=True)
+KERNELS = {"sdpa": ulysses.causal_attention, "copy": _CopyQ.apply}
+
+
+def _variants(group, args):
+    """name -> (its forward on the tensors of _attention_inputs, the names of the tensors it reads, and of those
+    its backward returns gradients for, as a model's projections take them)."""
+    kernel = KERNELS[args.kernel]
+    heads = ("q_heads", "k_heads", "v_heads")
+    qkv, layer = ("q", "k", "v"), ("x", "qkv_weight", "out_weight", "cos", "sin")
+    shape = dict(n_head=args.heads, n_kv_head=args.kv_heads, group=group, attn_fn=kernel)
+    variants = {
+        "(a) kernel alone": (lambda t: kernel(*(t[n] for n in heads)), heads, heads),
+        "(a) with 4 barriers": (lambda t: _Barrier.apply(group, kernel(*_Barrier.apply(group, *(t[n] for n in heads)))
+                                                         )[0], heads, heads),
+        "(b) ulysses_attention": (lambda t: ulysses.ulysses_attention(t["q"], t["k"], t["v"], group, kernel), qkv, qkv),
+        "(c) 3 all-to-alls": (lambda t: three_all_to_alls(t["q"], t["k"], t["v"], group, kernel), qkv, qkv),
+        "(d) all-gather k, v": (lambda t: gathered_kv(t["q"], t["k"], t["v"], group), qkv, qkv),
+        "(e) attention_layer": (lambda t: ulysses.attention_layer(**{n: t[n] for n in layer}, **shape), layer,
+                                layer[:3]),
+        "(f) layer on (c)": (lambda t: three_call_layer(**{n: t[n] for n in layer}, **shape), layer, layer[:3])}
+    if args.kernel == "copy":  # (d) has its own kernel; the layers' floor is the layer without an exchange, which
+        del variants["(d) all-gather k, v"]  # does the same work only when the kernel's work does not grow with S
+        variants["(a) layer, no exchange"] = (
+            lambda t: ulysses.attention_layer(**{n: t[n] for n in layer}, **{**shape, "group": None}), layer, layer[:3])
+    return variants
+
+
+def _forward(variant, tensors):
+    """A variant's output and the fresh leaves its backward differentiates (no gradient is accumulated into
+    .grad, which would copy (a)'s into the layout of its inputs, a copy no other variant makes)."""
+    forward, read, differentiated = variant
+    leaves = {name: tensors[name].detach().requires_grad_(name in differentiated) for name in read}
+    return forward(leaves), [leaves[name] for name in differentiated]
+
+
+def _forward_backward(variant, tensors):
+    out, leaves = _forward(variant, tensors)
+    return torch.autograd.grad(out, leaves, torch.ones_like(out))
 
 
 def _attention_inputs(rank, P, S, args):
-    """This rank's q, k, v [B, S/P, heads, D] and (a)'s head-major q, k, v [B, heads/P, S, D]."""
-    g = torch.Generator().manual_seed(rank)
-    B, H, Hkv, D = args.batch_size, args.heads, args.kv_heads, args.head_dim
-    local = [torch.randn(B, S // P, n, D, generator=g) for n in (H, Hkv, Hkv)]
-    heads = [torch.randn(B, n // P, S, D, generator=g) for n in (H, Hkv, Hkv)]
-    return local + heads
+    """This rank's tensors, by name: q, k, v [B, S/P, heads, D]; (a)'s q, k, v of H/P heads of the whole
+    sequence [B, S, heads/P, D], token-major as (c)'s all-to-alls leave them; and the layer's input x [B, S/P, n],
+    weights (the same on every rank) and RoPE tables of my tokens."""
+    g, shared = torch.Generator().manual_seed(rank), torch.Generator().manual_seed(1234)
+    B, H, Hkv, D, dtype = args.batch_size, args.heads, args.kv_heads, args.head_dim, getattr(torch, args.dtype)
+    n, positions = H * D, torch.arange(rank * S // P, (rank + 1) * S // P).expand(B, -1)
+    tensors = {name: torch.randn(B, S // P, h, D, generator=g) for name, h in zip(("q", "k", "v"), (H, Hkv, Hkv))}
+    tensors.update({f"{name}_heads": torch.randn(B, S, h // P, D, generator=g)
+                    for name, h in zip(("q", "k", "v"), (H, Hkv, Hkv))})
+    tensors.update(x=torch.randn(B, S // P, n, generator=g),
+                   qkv_weight=torch.randn((H + 2 * Hkv) * D, n, generator=shared) / n**0.5,
+                   out_weight=torch.randn(n, H * D, generator=shared) / n**0.5)
+    tensors = {name: t.to(dtype) for name, t in tensors.items()}
+    tensors["cos"], tensors["sin"] = ulysses.rope_cos_sin(positions, D, 10000.0)  # float32, as gpt.py keeps them
+    return tensors
+
+
+class CopiedBytes(TorchDispatchMode):
+    """Counts the bytes that copying ops write while it is entered (.bytes): copies and clones (what contiguous
+    and reshape make), casts, joins, gathers by index, and the backward of slicing. Sums are arithmetic, not
+    copies: a kv head's gradient added up from the ranks it went to, or from the query heads it was expanded for.
+    What the collective copies inside (gloo's own block, from the send to the receive buffer) is not counted,
+    nor what a kernel copies inside its own op; an operator written in Python (ulysses' exchange) runs its code
+    under the count, so its copies count."""
+
+    COPYING = {torch.ops.aten.copy_.default, torch.ops.aten.clone.default, torch.ops.aten._to_copy.default,
+               torch.ops.aten.cat.default, torch.ops.aten.stack.default, torch.ops.aten.index.Tensor,
+               torch.ops.aten.index_select.default, torch.ops.aten.gather.default,
+               torch.ops.aten.slice_backward.default, torch.ops.aten.select_backward.default,
+               torch.ops.aten.slice_scatter.default, torch.ops.aten.select_scatter.default,
+               torch.ops.aten.as_strided_scatter.default, torch.ops.aten.repeat.default, torch.ops.aten.flip.default,
+               torch.ops.aten.roll.default}
+
+    def __init__(self):
+        super().__init__()
+        self.bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        custom = _maybe_get_opdef(func)
+        if custom is not None:
+            with self:
+                return custom._init_fn(*args, **(kwargs or {}))
+        out = func(*args, **(kwargs or {}))
+        if func in self.COPYING:
+            self.bytes += sum(t.nbytes for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor))
+        return out
+
+
+def _sent():
+    return gather_stats["bytes"] + sum(c["bytes"] for c in ulysses.all_to_all_stats.values())
+
+
+def _moved(variant, tensors):
+    """(bytes sent, bytes copied outside the collective), forward and backward: four numbers of this rank."""
+    ulysses.reset_all_to_all_stats()
+    gather_stats["bytes"] = 0
+    with CopiedBytes() as forward:
+        out, leaves = _forward(variant, tensors)
+    sent_forward = _sent()
+    with CopiedBytes() as backward:
+        torch.autograd.grad(out, leaves, torch.ones_like(out))
+    return sent_forward, _sent() - sent_forward, forward.bytes, backward.bytes
 
 
 def _attention_rank(rank, P, S, args):
-    """({variant: [seconds per repetition]}, {variant: bytes this rank sent}, {variant: peak bytes} or {})."""
+    """{variant: [seconds per repetition]}, and, at the main sequence length, {variant: (bytes sent forward,
+    backward, bytes copied forward, backward, peak bytes)} of this rank."""
     group = dist.group.WORLD
-    variants = _variants(group)
+    variants = _variants(group, args)
     names = list(variants) if P > 1 else ["(a) kernel alone"]
     tensors = _attention_inputs(rank, P, S, args)
-    times, sent = {name: [] for name in names}, {}
+    times = {name: [] for name in names}
     for repetition in range(args.reps + 1):  # the first is a warm-up
         for name in names:  # interleaved, so that a slow moment of the machine hits every variant alike
-            inputs = [t.detach().requires_grad_() for t in tensors]
-            ulysses.reset_all_to_all_stats()
-            gather_stats["bytes"] = 0
             dist.barrier()
             start = time.perf_counter()
-            _forward_backward(variants[name], inputs)
+            _forward_backward(variants[name], tensors)
             dist.barrier()
             times[name].append(time.perf_counter() - start)
-            sent[name] = gather_stats["bytes"] + sum(c["bytes"] for c in ulysses.all_to_all_stats.values())
-    peaks = {}
-    if P > 1 and args.memory and S == args.seq_len:  # the layer's peak on rank 0, forward + backward
-        for name in ("(b) ulysses_attention", "(c) 3 all-to-alls"):
-            inputs = [t.detach().requires_grad_() for t in tensors[:3]]
-            peaks[name] = peak_bytes(partial(_forward_backward, variants[name], inputs), *inputs)
-    return times, sent, peaks
+    counts = {}
+    for name in names:  # what each moves, and its peak memory with every storage counted, inside operators too
+        read = [tensors[n] for n in variants[name][1]]
+        peak = peak_bytes(partial(_forward_backward, variants[name], tensors), *read) if args.memory else 0
+        counts[name] = (*_moved(variants[name], tensors), peak)
+    return times, counts
 
 
 def _attention_bytes(name, P, S, args):
-    """What a rank sends, forward + backward, in closed form (P divides the heads), float32."""
-    B, H, Hkv, D, e = args.batch_size, args.heads, args.kv_heads, args.head_dim, 4
+    """What a rank sends, forward + backward, in closed form (P divides the heads)."""
+    B, H, Hkv, D, e = args.batch_size, args.heads, args.kv_heads, args.head_dim, getattr(torch, args.dtype).itemsize
     if name.startswith("(d)"):  # k and v gathered forward, their gradients reduce-scattered backward
         return 4 * B * S * Hkv * D * (P - 1) // P * e
     return 0 if name.startswith("(a)") else 2 * (2 * H + 2 * Hkv) * B * S * D * (P - 1) // P**2 * e
@@ -251,7 +352,7 @@ def _attention_bytes(name, P, S, args):
 
 def _check_rank(rank, P, args):
     """Seconds of ulysses_attention forward and backward, with its input check and without, interleaved."""
-    q, k, v = _attention_inputs(rank, P, args.seq_len, args)[:3]
+    q, k, v = (_attention_inputs(rank, P, args.seq_len, args)[name] for name in ("q", "k", "v"))
     seconds = {True: [], False: []}
     for repetition in range(args.reps + 1):  # the first is a warm-up
         for check in (True, False):
@@ -275,38 +376,63 @@ def check_cost(args):
     for P in args.sp:
         with measuring(f"P={P}: ulysses_attention with and without its input check"):
             seconds = run_ranks(P, _check_rank, args)
-        print(f"P={P} S={args.seq_len} H={args.heads} D={args.head_dim}, float32, forward and backward, median of "
-              f"{args.reps}: {seconds[True] * 1e3:.1f} ms with the check, {seconds[False] * 1e3:.1f} ms without: "
+        print(f"P={P} S={args.seq_len} H={args.heads} D={args.head_dim}, {args.dtype}, forward and backward, median "
+              f"of {args.reps}: {seconds[True] * 1e3:.1f} ms with the check, {seconds[False] * 1e3:.1f} ms without: "
               f"{(seconds[True] / seconds[False] - 1) * 100:+.1f}%; the check alone, median of 100 calls: "
               f"{seconds['alone'] * 1e3:.3f} ms, {seconds['alone'] / seconds[False] * 100:.2f}% of the layer",
               flush=True)
 
 
+BASELINE = {"(b) ulysses_attention": "(c) 3 all-to-alls", "(e) attention_layer": "(f) layer on (c)"}
+LAYER_FLOOR = "(a) layer, no exchange"  # with --kernel copy: (e)'s and (f)'s overhead is their exchange's alone
+
+
 def attention(args):
     if args.check_cost:
         return check_cost(args)
-    B, H, D, Hkv = args.batch_size, args.heads, args.head_dim, args.kv_heads
-    print(f"one attention layer, forward + backward: B={B} H={H} kv heads={Hkv} D={D}, float32, causal SDPA, gloo; "
-          f"median of {args.reps}; overhead = time - (a), paired by repetition; middle half: its quartiles")
-    print(f"{'P':>2} {'S':>6}  {'variant':<22} {'ms':>8} {'overhead ms':>12} {'middle half':>12} {'vs (c)':>7} "
+    B, H, D, Hkv, S = args.batch_size, args.heads, args.head_dim, args.kv_heads, args.seq_len
+    kernel = {"sdpa": "causal SDPA", "copy": "a kernel that only copies q (the exchange alone)"}[args.kernel]
+    print(f"one attention layer, forward + backward: B={B} H={H} kv heads={Hkv} D={D}, {args.dtype}, {kernel}, gloo, "
+          f"{os.cpu_count()} cores shared by the P processes; median of {args.reps}; overhead = time - (a), paired by "
+          f"repetition ((e) and (f) over (a) layer, no exchange, when there is one); middle half: its quartiles; "
+          f"vs: (b)'s overhead over (c)'s, (e)'s over (f)'s")
+    print(f"{'P':>2} {'S':>6}  {'variant':<22} {'ms':>8} {'overhead ms':>12} {'middle half':>12} {'vs':>6} "
           f"{'bytes sent/rank':>16} {'formula':>13}", flush=True)
     measured = {}
     for P in args.sp:
-        with measuring(f"P={P} S={args.seq_len}: {args.reps + 1} repetitions of every variant"):
-            times, sent, peaks = measured[P, args.seq_len] = run_ranks(P, _attention_rank, args.seq_len, args)
-        floor = times["(a) kernel alone"][1:]  # the first repetition is a warm-up
-        overheads = {name: [b - a for a, b in zip(floor, t[1:])] for name, t in times.items()}
+        with measuring(f"P={P} S={S}: {args.reps + 1} repetitions of every variant"):
+            times, counts = measured[P, S] = run_ranks(P, _attention_rank, S, args)
+        floors = {name: times[LAYER_FLOOR if name[1] in "ef" and LAYER_FLOOR in times else "(a) kernel alone"][1:]
+                  for name in times}  # the first repetition is a warm-up
+        overheads = {name: [b - a for a, b in zip(floors[name], t[1:])] for name, t in times.items()}
         overhead = {name: statistics.median(o) for name, o in overheads.items()}
         for name, t in times.items():
-            versus = f"{overhead[name] / overhead['(c) 3 all-to-alls']:.2f}x" if name[1] in "bc" else ""
+            versus = f"{overhead[name] / overhead[BASELINE[name]]:.2f}x" if name in BASELINE else ""
             low, _, high = statistics.quantiles(overheads[name], n=4)
-            print(f"{P:>2} {args.seq_len:>6}  {name:<22} {statistics.median(t[1:]) * 1e3:8.1f} "
-                  f"{overhead[name] * 1e3:12.1f} {f'{low * 1e3:.0f} to {high * 1e3:.0f}':>12} {versus:>7} "
-                  f"{sent[name]:>16,} {_attention_bytes(name, P, args.seq_len, args):>13,}", flush=True)
-        q_mib = B * args.seq_len // P * H * D * 4 / 2**20
-        for name, peak in peaks.items():
-            print(f"peak memory of the layer, P={P} S={args.seq_len}, rank 0 (storages counted): {name} "
-                  f"{peak / 2**20:.1f} MiB (q on this rank: {q_mib:.1f} MiB)", flush=True)
+            print(f"{P:>2} {S:>6}  {name:<22} {statistics.median(t[1:]) * 1e3:8.1f} {overhead[name] * 1e3:12.1f} "
+                  f"{f'{low * 1e3:.0f} to {high * 1e3:.0f}':>12} {versus:>6} {sum(counts[name][:2]):>16,} "
+                  f"{_attention_bytes(name, P, S, args):>13,}", flush=True)
+        layer = [e / f for e, f in zip(times["(e) attention_layer"][1:], times["(f) layer on (c)"][1:])]
+        low, _, high = statistics.quantiles(layer, n=4)
+        print(f"the layer, projections included: (e) takes {statistics.median(layer):.2f}x the time of (f), median "
+              f"of the ratios by repetition (middle half {low:.2f} to {high:.2f})")
+        q_mib = B * S // P * H * D * getattr(torch, args.dtype).itemsize / 2**20
+        print(f"what each variant moves, rank 0: bytes sent, bytes copied outside the collective (copy ops counted "
+              f"by a dispatch mode), copies per byte sent, and the peak tensor memory of forward + backward (every "
+              f"storage counted, inside the operators too; q on this rank: {q_mib:.1f} MiB)")
+        print(f"{'':10}{'variant':<22} {'sent fwd':>12} {'sent bwd':>12} {'copied fwd':>12} {'copied bwd':>12} "
+              f"{'per byte fwd':>12} {'per byte bwd':>12} {'peak MiB':>9}")
+        for name, (sent_fwd, sent_bwd, copied_fwd, copied_bwd, peak) in counts.items():
+            per_byte = [f"{c / s:.2f}" if s else "" for c, s in ((copied_fwd, sent_fwd), (copied_bwd, sent_bwd))]
+            print(f"{'':10}{name:<22} {sent_fwd:>12,} {sent_bwd:>12,} {copied_fwd:>12,} {copied_bwd:>12,} "
+                  f"{per_byte[0]:>12} {per_byte[1]:>12} {peak / 2**20:9.1f}", flush=True)
+    if args.weak_seq_len:
+        weak_scaling(args, measured)
+    if args.plot:
+        plot_attention(args, measured)
+
+
+def weak_scaling(args, measured):
     print(f"weak scaling, S = {args.weak_seq_len} x P: bytes each rank sends (formula) and time")
     print(f"{'P':>2} {'S':>6}  {'(b) bytes (formula)':>24} {'(d) bytes (formula)':>24} {'(a) ms':>8} {'(b) ms':>8} "
           f"{'(d) ms':>8}", flush=True)
@@ -315,11 +441,50 @@ def attention(args):
         if (P, S) not in measured:
             with measuring(f"P={P} S={S}: {args.reps + 1} repetitions of every variant"):
                 measured[P, S] = run_ranks(P, _attention_rank, S, args)
-        times, sent, _ = measured[P, S]
+        times, counts = measured[P, S]
         b, d = ("(b) ulysses_attention", "(d) all-gather k, v") if P > 1 else ("(a) kernel alone",) * 2
-        columns = [f"{sent[name]:,} ({_attention_bytes(name, P, S, args):,})" for name in (b, d)]
+        columns = [f"{sum(counts[name][:2]):,} ({_attention_bytes(name, P, S, args):,})" for name in (b, d)]
         ms = [statistics.median(times[name][1:]) * 1e3 for name in ("(a) kernel alone", b, d)]
         print(f"{P:>2} {S:>6}  {columns[0]:>24} {columns[1]:>24} {ms[0]:8.1f} {ms[1]:8.1f} {ms[2]:8.1f}", flush=True)
+
+
+def plot_attention(args, measured):
+    """--plot FILE: the weak-scaling bytes, and each variant's copies and peak memory at --seq-len."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("--plot: matplotlib is not installed; the tables above are the figures")
+        return
+    mib = lambda b: b / 2**20
+    fig, (weak, copies, peaks) = plt.subplots(1, 3, figsize=(15, 4.2))
+    sizes = [P for P in (1, 2, 4) if (P, args.weak_seq_len * P) in measured]
+    for name, label in (("(b) ulysses_attention", "Ulysses (b)"), ("(d) all-gather k, v", "all-gathered k, v (d)")):
+        key = lambda P: name if P > 1 else "(a) kernel alone"
+        weak.plot(sizes, [mib(sum(measured[P, args.weak_seq_len * P][1][key(P)][:2])) for P in sizes], "o-",
+                  label=f"{label}, measured")
+        weak.plot(sizes, [mib(_attention_bytes(key(P), P, args.weak_seq_len * P, args)) for P in sizes], "k:")
+    weak.set(title=f"weak scaling, {args.weak_seq_len:,} tokens a rank: bytes each rank sends\n(forward + backward; "
+                   f"dotted: the formula)", xlabel="P (ranks)", ylabel="MiB", xticks=sizes)
+    weak.legend()
+    names = ["(b) ulysses_attention", "(c) 3 all-to-alls", "(e) attention_layer", "(f) layer on (c)"]
+    width = 0.8 / len(args.sp)
+    for i, P in enumerate(args.sp):
+        counts = measured[P, args.seq_len][1]
+        x = [j + i * width for j in range(len(names))]
+        copies.bar(x, [mib(counts[n][2]) for n in names], width, label=f"P={P} forward")
+        copies.bar(x, [mib(counts[n][3]) for n in names], width, bottom=[mib(counts[n][2]) for n in names],
+                   label=f"P={P} backward", alpha=0.6)
+        peaks.bar(x, [mib(counts[n][4]) for n in names], width, label=f"P={P}")
+    for ax, title in ((copies, "bytes copied outside the collective, rank 0"), (peaks, "peak tensor memory, rank 0")):
+        ax.set(title=f"{title}\nS {args.seq_len:,}, {args.dtype}", ylabel="MiB")
+        ax.set_xticks([j + width * (len(args.sp) - 1) / 2 for j in range(len(names))],
+                      [n.replace(" ", "\n", 1) for n in names])
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(args.plot, dpi=110)
+    print(f"--plot: {args.plot}")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -839,7 +1004,7 @@ def main(argv=None):
                                                        allow_abbrev=False)
     p = command("attention", "one Ulysses attention layer against its alternatives")
     p.add_argument("--seq-len", type=int, default=4096, help="tokens per sequence for the main table")
-    p.add_argument("--weak-seq-len", type=int, default=1024, help="tokens per rank in the weak-scaling rows")
+    p.add_argument("--weak-seq-len", type=int, default=1024, help="tokens per rank in the weak-scaling rows (0: none)")
     p.add_argument("--sp", type=int, nargs="+", default=[2, 4], help="SP sizes of the main table")
     p.add_argument("--heads", type=int, default=8, help="query heads")
     p.add_argument("--kv-heads", type=int, default=0, help="key/value heads; 0: as many as --heads")
@@ -847,6 +1012,12 @@ def main(argv=None):
     p.add_argument("--batch-size", type=int, default=1, help="sequences")
     p.add_argument("--reps", type=int, default=25, help="timed repetitions (after one warm-up)")
     p.add_argument("--memory", action=argparse.BooleanOptionalAction, default=True, help="measure peak memory")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="of every tensor but RoPE's "
+                   "tables")
+    p.add_argument("--kernel", choices=list(KERNELS), default="sdpa", help="sdpa: causal attention; copy: a kernel "
+                   "that only copies q, to time the exchange alone ((d) left out)")
+    p.add_argument("--plot", metavar="FILE", help="also draw the weak-scaling bytes and each variant's copies and "
+                   "peak memory into FILE (a .png; needs matplotlib)")
     p.add_argument("--check-cost", action="store_true", help="instead: ulysses_attention with its input check "
                    "(one all-gather a call) against without it")
     p = command("tiled", "memory of the MLP and the loss, tiled and not")
