@@ -293,7 +293,8 @@ def bytes_line(printed, what="all-to-all"):
     """From train.py's summary, the line of `what` ("all-to-all", "ring", "context-parallel Gated DeltaNet"):
     [bytes sent, the formula's bytes] and, where the line gives them, [calls forward, calls backward] per layer
     and micro-step."""
-    line = re.search(rf"^{what} of rank 0 per step: ([\d,]+) bytes sent \(formula ([\d,]+) bytes\)"
+    line = re.search(rf"^{what} of rank 0 per step: ([\d,]+) bytes sent \(formula ([\d,]+) bytes: all layers "
+                     rf"and micro-steps, forward and backward\)"
                      rf"(?:; \w+ per layer per micro-step: ([\d.]+) forward, ([\d.]+) backward)?$", printed, re.M)
     assert line, f"no {what} line in: {printed}"
     return [float(n.replace(",", "")) for n in line.groups() if n is not None]

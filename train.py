@@ -28,7 +28,7 @@ One optimizer step, on every rank of the dp x sp mesh. The code cites these step
      [r*S_pad/sp, (r+1)*S_pad/sp) with their GLOBAL position ids (ulysses.shard_for_sp; with --ring, the zigzag
      order, or with --pack each document's share);
   4. (rule 3) forward on the local tokens: embeddings, norms, MLP and loss per token, attention through two
-     all-to-alls per layer (gpt.py calls ulysses.ulysses_attention); the model returns the SUM of its token
+     all-to-alls per layer (gpt.py calls ulysses.attention_layer); the model returns the SUM of its token
      losses;
   5. (rule 4) loss = that sum / the valid tokens of the WHOLE global batch, all dp x sp ranks and micro-steps
      (ulysses.global_valid_tokens); a batch without valid tokens gives 0, never NaN;
@@ -285,7 +285,8 @@ def summarize(args, history, model, optimizer, n_params, world_size, device, ran
         formula = count(block.attn.context_bytes(args.batch_size, tokens // args.batch_size, element_bytes)
                         for block in model.blocks if block.kind == "d")
         sent = sum(deltanet.context_stats.values()) / len(history)
-        print(f"context-parallel Gated DeltaNet of rank 0 per step: {sent:,.0f} bytes sent (formula {formula:,} bytes)")
+        print(f"context-parallel Gated DeltaNet of rank 0 per step: {sent:,.0f} bytes sent (formula {formula:,} bytes: "
+              f"all layers and micro-steps, forward and backward)")
     heads = [len(r) for r in ulysses.head_layout(args.n_head, args.n_kv_head, args.sp // args.ring)[0]] \
         if "a" in args.layer_pattern else []
     if len(set(heads)) > 1:  # uneven: the rank with the most heads does the most attention work
@@ -299,8 +300,9 @@ def report_bytes(what, calls, stats, formula, layers, steps, micro_steps):
     makes them, per micro-step."""
     sent = (stats["forward"]["bytes"] + stats["backward"]["bytes"]) / steps
     per_layer = {phase: stats[phase]["calls"] / (steps * micro_steps * max(layers, 1)) for phase in stats}
-    print(f"{what} of rank 0 per step: {sent:,.0f} bytes sent (formula {formula:,} bytes); {calls} per layer per "
-          f"micro-step: {per_layer['forward']:g} forward, {per_layer['backward']:g} backward")
+    print(f"{what} of rank 0 per step: {sent:,.0f} bytes sent (formula {formula:,} bytes: all layers and micro-steps, "
+          f"forward and backward); {calls} per layer per micro-step: {per_layer['forward']:g} forward, "
+          f"{per_layer['backward']:g} backward")
 
 
 if __name__ == "__main__":
