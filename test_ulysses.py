@@ -2,7 +2,8 @@
 Tests of ulysses.py, the SP contract, against one device: shard_for_sp and the all-to-all move exactly the
 right tokens and heads (2 and 3 ranks, float32 and bf16); head_layout against its definition;
 ulysses_attention's output, gradients and bytes sent against attention on the whole sequence, for even and
-uneven head layouts; the attention kernels against the dense formula; torch.compile against eager; a user's
+uneven head layouts; attention_layer, projections included, against the plain layer (float64, bf16 autocast),
+and what it copies (nothing) and the one-call exchange holds; the attention kernels against the dense formula; torch.compile against eager; a user's
 script that exits 0 on every rank, and the wait for gloo that makes it so.
 """
 
@@ -19,8 +20,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch._dynamo.testing import CompileCounterWithBackend
 
+import memory
 import ring
 import ulysses
+from bench import CopiedBytes
 from conftest import HERE, assert_all_close, qkv, run, run_ranks, sp_slice, usp_groups
 from gpt import GPT, GPTConfig
 
@@ -227,7 +230,6 @@ def test_attention_layer_matches_one_device(world_size):
 
 
 def _layer_copies_rank(rank, world_size, dtype):
-    from bench import CopiedBytes  # noqa: the measurement's own counter
     (x, qkv_weight, out_weight, _), cos, sin, _, _ = _layer_inputs(1, 4, 2, "causal")
     leaves = [t.to(dtype).requires_grad_() for t in (sp_slice(x, rank, world_size), qkv_weight, out_weight)]
     with CopiedBytes() as forward:
@@ -241,8 +243,26 @@ def _layer_copies_rank(rank, world_size, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bf16"])
 def test_attention_layer_copies_nothing(dtype):
     """The layer's own path writes each step's result where the next step reads it: no copy outside the
-    collectives, forward or backward (copies counted by bench.CopiedBytes, the count BENCHMARKS reports)."""
-    assert run_ranks(2, _layer_copies_rank, dtype) == [(0, 0), (0, 0)]
+    collectives, forward or backward (copies counted by bench.CopiedBytes, the count BENCHMARKS reports). In bf16
+    the one copy is RoPE's two float32 tables cast once, [S/P, D/2] each: 1/H of q's bytes."""
+    tables = 0 if dtype == torch.float32 else 2 * LAYER_S // 2 * LAYER_D // 2 * dtype.itemsize
+    assert run_ranks(2, _layer_copies_rank, dtype) == [(tables, 0), (tables, 0)]
+
+
+def _exchange_peak_rank(rank, world_size):
+    q, k, v = (torch.randn(1, 64, 4, 8) for _ in range(3))  # my tokens, all heads
+    heads = ulysses.head_layout(4, 4, world_size)[0]
+    with memory.StorageBytes([q, k, v], inside_operators=True) as storages:
+        ulysses.seq_to_heads((q, k, v), dist.group.WORLD, (heads, heads, heads))
+    return storages.peak
+
+
+def test_the_send_buffer_goes_before_the_outputs_are_made():
+    """seq_to_heads of q, k and v in one call holds at most the inputs, the receive buffer and the joined outputs:
+    its send buffer is freed before the outputs are made. At P = 2, with N the bytes of q: the inputs 3N, the
+    receive buffer (the other rank's half of each) 1.5N, the outputs 3N; the send buffer would add 1.5N more."""
+    N = 64 * 4 * 8 * 4
+    assert run_ranks(2, _exchange_peak_rank) == [3 * N + 1.5 * N + 3 * N] * 2
 
 
 def _layer_autocast_rank(rank, world_size):
@@ -252,15 +272,16 @@ def _layer_autocast_rank(rank, world_size):
         leaves = [part(x).float().requires_grad_(), *(w.float().requires_grad_() for w in weights)]
         with torch.autocast("cpu", dtype=torch.bfloat16):
             out = ulysses.attention_layer(*leaves, 4, 2, group, None, part(cos), part(sin))
+        assert out.dtype == torch.bfloat16, out.dtype  # as F.linear's under autocast
         out.float().sum().backward()
         results.append([out.float().detach()] + [t.grad for t in leaves])
     return results
 
 
 def test_attention_layer_under_bf16_autocast():
-    """Under bf16 autocast the layer's own path is as accurate as the plain layer on one device under autocast:
-    measured against the plain layer in float64, its error in the output and in each gradient is at most twice
-    the plain layer's, whose matmuls round the same products differently."""
+    """Under bf16 autocast the layer's own path computes in bf16, as the plain layer on one device does, and as
+    accurately: measured against the plain layer in float64, its error in the output and in each gradient is at
+    most twice the plain layer's, whose matmuls and RoPE round the same products differently."""
     per_rank = run_ranks(2, _layer_autocast_rank)
     (x, qkv_weight, out_weight, _), cos, sin, _, _ = _layer_inputs(1, 4, 2, "causal")
     leaves = [t.requires_grad_() for t in (x, qkv_weight, out_weight)]

@@ -397,12 +397,10 @@ def attention_layer(x, qkv_weight, out_weight, n_head, n_kv_head, group=None, at
     check_shards(x, group)
     heads = (n_head // P, n_kv_head // P, n_kv_head // P)  # my q, k and v heads, as every rank's
     if sinks is not None:  # my kernel gets the sinks of my query heads
-        attn_kwargs["sinks"] = sinks.to(dtype)[rank * heads[0]:(rank + 1) * heads[0]]  # (n_head,) -> (hq,)
-    with torch.autocast(x.device.type, enabled=False):  # cast already: the matmuls run in x's dtype
-        q, k, v = _ProjectAndSend.apply(x.flatten(0, 1), qkv_weight, cos, sin, heads, group)  # (1, S, h, D) x 3
+        attn_kwargs["sinks"] = sinks[rank * heads[0]:(rank + 1) * heads[0]]  # (n_head,) -> (hq,)
+    q, k, v = _ProjectAndSend.apply(x.flatten(0, 1), qkv_weight, cos, sin, heads, group)  # (1, S, h, D) x 3
     y = attn_fn(q, k, v, **attn_kwargs)  # (1, S, hq, D)
-    with torch.autocast(x.device.type, enabled=False):
-        return _SendAndProject.apply(y, out_weight, group).unsqueeze(0)  # (S/P, E) -> (1, S/P, E)
+    return _SendAndProject.apply(y, out_weight, group).unsqueeze(0)  # (S/P, E) -> (1, S/P, E)
 
 
 class _ProjectAndSend(torch.autograd.Function):
@@ -413,26 +411,29 @@ class _ProjectAndSend(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, cos, sin, heads, group):
         P = dist.get_world_size(group)
+        if cos is not None:  # RoPE's tables: their first halves (the halves repeat), in x's dtype, (S/P, 1, D/2)
+            cos, sin = (t[0].chunk(2, dim=-1)[0].to(x.dtype) for t in (cos, sin))
         ctx.save_for_backward(x, weight, cos, sin)
-        ctx.heads, ctx.group = heads, group
+        ctx.heads, ctx.group_name = heads, group.group_name  # the name: the graph holds no group
         first = [sum(heads[:t]) for t in range(4)]  # where q, k and v start in a rank's n heads, and n
         send = x.new_empty(P, x.shape[0], first[3], weight.shape[0] // (P * first[3]))  # (P, S/P, n, D)
         for j, t, rows in _rows_by_rank(weight, heads, P):
             torch.mm(x, rows.T, out=send[j, :, first[t]:first[t + 1]].flatten(1))  # (S/P, E) @ (E, h D), in place
         if cos is not None:  # q and k: the first hq + hkv heads of each row
-            _rotate_(send[:, :, :first[2]], cos[0], sin[0])
+            _rotate_(send[:, :, :first[2]], cos, sin)
         received = _all_to_all(send, group, "forward")  # (P, S/P, n, D): rank i's tokens of my heads, by rank
         return received.flatten(0, 1)[None].split(heads, dim=2)  # (1, S, n, D) -> (1, S, h, D) x 3, views
 
     @staticmethod
     def backward(ctx, *grads):
         x, weight, cos, sin = ctx.saved_tensors
-        P = dist.get_world_size(ctx.group)
+        group = _resolve_process_group(ctx.group_name)
+        P = dist.get_world_size(group)
         # the gradients of what I sent: row j of each is rank j's heads of my tokens, (P, S/P, h, D)
-        back = [_all_to_all(g.contiguous().unflatten(1, (P, -1))[0], ctx.group, "backward") for g in grads]
+        back = [_all_to_all(g.contiguous().unflatten(1, (P, -1))[0], group, "backward") for g in grads]
         if cos is not None:  # RoPE's backward: the inverse turn
-            _rotate_(back[0], cos[0], -sin[0])
-            _rotate_(back[1], cos[0], -sin[0])
+            _rotate_(back[0], cos, -sin)
+            _rotate_(back[1], cos, -sin)
         dx, dweight = torch.zeros_like(x), torch.empty_like(weight)  # (S/P, E), ((n_head + 2 n_kv_head) D, E)
         for (j, t, rows), (_, _, d_rows) in zip(_rows_by_rank(weight, ctx.heads, P),
                                                 _rows_by_rank(dweight, ctx.heads, P)):
@@ -445,7 +446,8 @@ class _ProjectAndSend(torch.autograd.Function):
 def _rows_by_rank(weight, heads, P):
     """(j, t, rows) for each rank j and each of q, k, v (t = 0, 1, 2): the rows of the qkv weight [(n_head + 2
     n_kv_head) D, E] that make rank j's heads of it, [h D, E], a view."""
-    parts = weight.split([P * h * weight.shape[0] // (P * sum(heads)) for h in heads])  # q's rows, k's, v's
+    D = weight.shape[0] // (P * sum(heads))
+    parts = weight.split([P * h * D for h in heads])  # q's rows, k's, v's
     for j in range(P):
         for t, part in enumerate(parts):
             yield j, t, part.chunk(P)[j]
@@ -458,10 +460,11 @@ class _SendAndProject(torch.autograd.Function):
     @staticmethod
     def forward(ctx, y, weight, group):
         P = dist.get_world_size(group)
-        send = y.contiguous().view(P, -1, y.shape[2] * y.shape[3])  # (P, S/P, hq D): row i for rank i, as it is
+        # (1, S, hq, D) -> (P, S/P, hq D): row i for rank i, y as it is (contiguous unless a kernel returns otherwise)
+        send = y.contiguous().view(P, -1, y.shape[2] * y.shape[3])
         back = _all_to_all(send, group, "forward")  # row i: my tokens of rank i's heads
         ctx.save_for_backward(back, weight)
-        ctx.group, ctx.y_shape = group, y.shape
+        ctx.group_name, ctx.y_shape = group.group_name, y.shape
         out = y.new_zeros(back.shape[1], weight.shape[0])  # (S/P, E)
         for i, columns in enumerate(weight.chunk(P, dim=1)):  # rank i's heads' columns, (E, hq D)
             out.addmm_(back[i], columns.T)  # (S/P, hq D) @ (hq D, E)
@@ -475,8 +478,8 @@ class _SendAndProject(torch.autograd.Function):
         for i, (columns, d_columns) in enumerate(zip(weight.chunk(P, dim=1), dweight.chunk(P, dim=1))):
             torch.mm(grad, columns, out=send[i])  # (S/P, E) @ (E, hq D): row i, for rank i's heads
             torch.mm(grad.T, back[i], out=d_columns)  # (E, S/P) @ (S/P, hq D), in place
-        dy = _all_to_all(send, ctx.group, "backward")  # (P, S/P, hq D): my heads' gradient, rank i's tokens at row i
-        return dy.view(ctx.y_shape), dweight, None
+        dy = _all_to_all(send, _resolve_process_group(ctx.group_name), "backward")  # row i: rank i's tokens
+        return dy.view(ctx.y_shape), dweight, None  # (P, S/P, hq D) -> (1, S, hq, D)
 
 
 def _all_to_all(send, group, direction):
@@ -488,11 +491,11 @@ def _all_to_all(send, group, direction):
     return received
 
 
-def _rotate_(x, cos, sin):
-    """apply_rope in place, on a buffer autograd does not see: x [..., S/P, heads, D], cos and sin [S/P, 1, D].
-    With sin negated, the inverse turn: RoPE's backward."""
+def _rotate_(x, c, s):
+    """apply_rope in place, on a buffer autograd does not see: x [..., S/P, heads, D], c and s [S/P, 1, D/2] the
+    first halves of its tables, in x's dtype (a float32 table would make each in-place op round through a copy).
+    With s negated, the inverse turn: RoPE's backward."""
     x1, x2 = x.chunk(2, dim=-1)
-    c, s = cos.chunk(2, dim=-1)[0], sin.chunk(2, dim=-1)[0]  # (S/P, 1, D/2): the halves repeat
     x1_sin = x1 * s
     x1.mul_(c).addcmul_(x2, s, value=-1)  # x1 cos - x2 sin
     x2.mul_(c).add_(x1_sin)  # x2 cos + x1 sin
