@@ -32,6 +32,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 
 import launch
@@ -263,6 +264,15 @@ def attention_and_grads(q, k, v, grad_out, attn_fn=ulysses.causal_attention, **k
     out = attn_fn(q, k, v, **kwargs)
     out.backward(grad_out)
     return [out.detach(), q.grad, k.grad, v.grad]
+
+
+def plain_layer(x, qkv_weight, out_weight, n_head, n_kv_head, cos, sin, attn_fn=ulysses.causal_attention, **kwargs):
+    """One device: a transformer's attention layer as written, x [B, S, E] -> [B, S, E]: q, k, v from one matmul,
+    RoPE on q and k, attn_fn(q, k, v, **kwargs), the output matmul."""
+    B, S, _ = x.shape
+    q, k, v = F.linear(x, qkv_weight).view(B, S, n_head + 2 * n_kv_head, -1).split([n_head, n_kv_head, n_kv_head], 2)
+    q, k = ulysses.apply_rope(q, cos, sin), ulysses.apply_rope(k, cos, sin)
+    return F.linear(attn_fn(q, k, v, **kwargs).flatten(2), out_weight)
 
 
 def attention_formula(q, k, v, grad_out, window=None, position_ids=None, sinks=None):

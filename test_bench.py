@@ -1,16 +1,18 @@
 """
 Tests of bench.py's attention baselines against one device: what `python bench.py attention` times against
-ulysses_attention computes the same attention and sends the bytes of its formula. What `python bench.py balance`
-reports: per-document balance of a packed mix against zigzag's.
+ulysses_attention and the attention layer computes the same attention and sends the bytes of its formula; the
+copies it counts. What `python bench.py balance` reports: per-document balance of a packed mix against zigzag's.
 """
 
 import pytest
+import torch
 import torch.distributed as dist
 
 import bench
+from bench import CopiedBytes
 import ring
 import ulysses
-from conftest import assert_all_close, attention_and_grads, qkv, run_ranks, sp_slice, whole_sequence
+from conftest import assert_all_close, attention_and_grads, plain_layer, qkv, run_ranks, sp_slice, whole_sequence
 
 
 BASELINE = dict(S=24, Hq=8, Hkv=4, D=8)  # (c) needs P to divide both head counts
@@ -46,6 +48,54 @@ def test_benchmark_baselines_match_one_device(world_size):
                    "(d)": 4 * Hkv * head * (P - 1)}[name]  # k and v to every other rank, their gradients back
         assert [r[i][1] for r in per_rank] == [formula] * P, f"{name} B={B}"
 
+
+
+def _layer_inputs():
+    g = torch.Generator().manual_seed(3)
+    x, grad_out = torch.randn(1, 24, 64, generator=g), torch.randn(1, 24, 64, generator=g)
+    qkv_weight, out_weight = torch.randn(128, 64, generator=g) / 8, torch.randn(64, 64, generator=g) / 8
+    return (x, qkv_weight, out_weight, grad_out), ulysses.rope_cos_sin(torch.arange(24)[None], 8, 10000.0)
+
+
+def _layer_rank(rank, world_size):
+    (x, qkv_weight, out_weight, grad_out), (cos, sin) = _layer_inputs()
+    x, grad_out, cos, sin = (sp_slice(t, rank, world_size) for t in (x, grad_out, cos, sin))
+    leaves = [t.requires_grad_() for t in (x, qkv_weight, out_weight)]
+    out = bench.three_call_layer(*leaves, 8, 4, dist.group.WORLD, ulysses.causal_attention, cos, sin)
+    out.backward(grad_out)
+    return [out.detach(), *(t.grad for t in leaves)]
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_benchmark_layer_on_three_calls_matches_one_device(world_size):
+    """(f), against which python bench.py attention times the model's layer (e), computes the layer: its output
+    and the gradients of x and of both weights (summed over ranks) equal the layer's on one device (8 heads, 4 kv
+    heads)."""
+    per_rank = run_ranks(world_size, _layer_rank)
+    (x, qkv_weight, out_weight, grad_out), (cos, sin) = _layer_inputs()
+    leaves = [t.requires_grad_() for t in (x, qkv_weight, out_weight)]
+    out = plain_layer(*leaves, 8, 4, cos, sin)
+    out.backward(grad_out)
+    got = [torch.cat([r[0] for r in per_rank], dim=1), torch.cat([r[1] for r in per_rank], dim=1),
+           sum(r[2] for r in per_rank), sum(r[3] for r in per_rank)]
+    assert_all_close(got, [out, *(t.grad for t in leaves)])
+
+
+def test_copied_bytes_counts_copies_and_nothing_else():
+    """bench.CopiedBytes, behind BENCHMARKS' copies per variant: a view, arithmetic and a matmul into a slice of a
+    buffer copy nothing; contiguous() of a transposed tensor, a cast, a join and the backward of a slice each copy
+    the bytes they write."""
+    x = torch.randn(8, 4, requires_grad=True)  # 128 bytes
+    buffer = torch.empty(8, 12)
+    with CopiedBytes() as nothing:
+        y = x.t().view(2, 16) * 2 + 1  # a view, then arithmetic
+        torch.mm(x, x.t()[:, :4], out=buffer[:, 4:8])
+    with CopiedBytes() as copies:
+        x.t().contiguous()  # 128
+        x.double()  # 256
+        torch.cat([x, x])  # 256
+        torch.autograd.grad(x[:2].sum(), x)  # the slice's backward writes all of x: 128
+    assert (nothing.bytes, copies.bytes, y.shape) == (0, 128 + 256 + 256 + 128, (2, 16))
 
 def test_document_layout_balances_a_long_document():
     """bench.py balance's row: one document holds 60% of the 4,096 tokens and the rest are short. The per-document

@@ -3,8 +3,8 @@ Tests of ulysses.py, the SP contract, against one device: shard_for_sp and the a
 right tokens and heads (2 and 3 ranks, float32 and bf16); head_layout against its definition;
 ulysses_attention's output, gradients and bytes sent against attention on the whole sequence, for even and
 uneven head layouts; attention_layer, projections included, against the plain layer (float64, bf16 autocast),
-and what it copies (nothing) and the one-call exchange holds; the attention kernels against the dense formula; torch.compile against eager; a user's
-script that exits 0 on every rank, and the wait for gloo that makes it so.
+and what it copies (nothing) and the one-call exchange holds; the attention kernels against the dense formula;
+torch.compile against eager; a user's script that exits 0 on every rank, and the wait for gloo that makes it so.
 """
 
 import os
@@ -17,14 +17,13 @@ from functools import partial
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch._dynamo.testing import CompileCounterWithBackend
 
 import memory
 import ring
 import ulysses
 from bench import CopiedBytes
-from conftest import HERE, assert_all_close, qkv, run, run_ranks, sp_slice, usp_groups
+from conftest import HERE, assert_all_close, plain_layer, qkv, run, run_ranks, sp_slice, usp_groups
 from gpt import GPT, GPTConfig
 
 
@@ -212,11 +211,9 @@ def test_attention_layer_matches_one_device(world_size):
         (x, qkv_weight, out_weight, sinks), cos, sin, attn_fn, kwargs = _layer_inputs(B, Hq, Hkv, kernel)
         leaves = [x, qkv_weight, out_weight] + ([sinks] if kernel == "sinks" else [])
         leaves = [t.requires_grad_() for t in leaves]
-        q, k, v = F.linear(x, qkv_weight).view(B, LAYER_S, -1, LAYER_D).split([Hq, Hkv, Hkv], 2)
-        q, k = ulysses.apply_rope(q, cos, sin), ulysses.apply_rope(k, cos, sin)
         if kernel == "sinks":
             kwargs = {"sinks": leaves[3]}
-        out = F.linear(attn_fn(q, k, v, **kwargs).flatten(2), out_weight)  # (B, S, E)
+        out = plain_layer(*leaves[:3], Hq, Hkv, cos, sin, attn_fn, **kwargs)  # (B, S, E)
         want = [out, *torch.autograd.grad(out, leaves, torch.ones_like(out))]
         got = [torch.cat([r[i][0][0] for r in per_rank], dim=1), torch.cat([r[i][0][1] for r in per_rank], dim=1),
                *(sum(r[i][0][j] for r in per_rank) for j in range(2, len(want)))]
@@ -244,9 +241,9 @@ def _layer_copies_rank(rank, world_size, dtype):
 def test_attention_layer_copies_nothing(dtype):
     """The layer's own path writes each step's result where the next step reads it: no copy outside the
     collectives, forward or backward (copies counted by bench.CopiedBytes, the count BENCHMARKS reports). In bf16
-    the one copy is RoPE's two float32 tables cast once, [S/P, D/2] each: 1/H of q's bytes."""
+    the one copy is RoPE's two float32 tables cast, [S/P, D/2] each (1/H of q's bytes), once each way."""
     tables = 0 if dtype == torch.float32 else 2 * LAYER_S // 2 * LAYER_D // 2 * dtype.itemsize
-    assert run_ranks(2, _layer_copies_rank, dtype) == [(tables, 0), (tables, 0)]
+    assert run_ranks(2, _layer_copies_rank, dtype) == [(tables, tables), (tables, tables)]
 
 
 def _exchange_peak_rank(rank, world_size):
@@ -285,9 +282,7 @@ def test_attention_layer_under_bf16_autocast():
     per_rank = run_ranks(2, _layer_autocast_rank)
     (x, qkv_weight, out_weight, _), cos, sin, _, _ = _layer_inputs(1, 4, 2, "causal")
     leaves = [t.requires_grad_() for t in (x, qkv_weight, out_weight)]
-    q, k, v = F.linear(x, qkv_weight).view(1, LAYER_S, -1, LAYER_D).split([4, 2, 2], 2)
-    out = F.linear(ulysses.causal_attention(ulysses.apply_rope(q, cos, sin), ulysses.apply_rope(k, cos, sin),
-                                            v).flatten(2), out_weight)
+    out = plain_layer(*leaves, 4, 2, cos, sin)
     exact = [out, *torch.autograd.grad(out.sum(), leaves)]
     plain = per_rank[0][0]
     layer = [torch.cat([r[1][0] for r in per_rank], dim=1), torch.cat([r[1][1] for r in per_rank], dim=1),

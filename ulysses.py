@@ -411,8 +411,6 @@ class _ProjectAndSend(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, cos, sin, heads, group):
         P = dist.get_world_size(group)
-        if cos is not None:  # RoPE's tables: their first halves (the halves repeat), in x's dtype, (S/P, 1, D/2)
-            cos, sin = (t[0].chunk(2, dim=-1)[0].to(x.dtype) for t in (cos, sin))
         ctx.save_for_backward(x, weight, cos, sin)
         ctx.heads, ctx.group_name = heads, group.group_name  # the name: the graph holds no group
         first = [sum(heads[:t]) for t in range(4)]  # where q, k and v start in a rank's n heads, and n
@@ -420,7 +418,7 @@ class _ProjectAndSend(torch.autograd.Function):
         for j, t, rows in _rows_by_rank(weight, heads, P):
             torch.mm(x, rows.T, out=send[j, :, first[t]:first[t + 1]].flatten(1))  # (S/P, E) @ (E, h D), in place
         if cos is not None:  # q and k: the first hq + hkv heads of each row
-            _rotate_(send[:, :, :first[2]], cos, sin)
+            _rotate_(send[:, :, :first[2]], *_halves(cos, sin, x.dtype))
         received = _all_to_all(send, group, "forward")  # (P, S/P, n, D): rank i's tokens of my heads, by rank
         return received.flatten(0, 1)[None].split(heads, dim=2)  # (1, S, n, D) -> (1, S, h, D) x 3, views
 
@@ -432,8 +430,9 @@ class _ProjectAndSend(torch.autograd.Function):
         # the gradients of what I sent: row j of each is rank j's heads of my tokens, (P, S/P, h, D)
         back = [_all_to_all(g.contiguous().unflatten(1, (P, -1))[0], group, "backward") for g in grads]
         if cos is not None:  # RoPE's backward: the inverse turn
-            _rotate_(back[0], cos, -sin)
-            _rotate_(back[1], cos, -sin)
+            c, s = _halves(cos, sin, x.dtype)
+            _rotate_(back[0], c, -s)
+            _rotate_(back[1], c, -s)
         dx, dweight = torch.zeros_like(x), torch.empty_like(weight)  # (S/P, E), ((n_head + 2 n_kv_head) D, E)
         for (j, t, rows), (_, _, d_rows) in zip(_rows_by_rank(weight, ctx.heads, P),
                                                 _rows_by_rank(dweight, ctx.heads, P)):
@@ -491,10 +490,15 @@ def _all_to_all(send, group, direction):
     return received
 
 
+def _halves(cos, sin, dtype):
+    """RoPE's tables [1, S/P, 1, D] -> their first halves [S/P, 1, D/2] (the halves repeat), in the buffer's dtype:
+    a float32 table would make each in-place op on a bf16 buffer round through a copy of its own."""
+    return (t[0].chunk(2, dim=-1)[0].to(dtype) for t in (cos, sin))
+
+
 def _rotate_(x, c, s):
-    """apply_rope in place, on a buffer autograd does not see: x [..., S/P, heads, D], c and s [S/P, 1, D/2] the
-    first halves of its tables, in x's dtype (a float32 table would make each in-place op round through a copy).
-    With s negated, the inverse turn: RoPE's backward."""
+    """apply_rope in place, on a buffer autograd does not see: x [..., S/P, heads, D], c and s [S/P, 1, D/2] its
+    tables' halves (_halves). With s negated, the inverse turn: RoPE's backward."""
     x1, x2 = x.chunk(2, dim=-1)
     x1_sin = x1 * s
     x1.mul_(c).addcmul_(x2, s, value=-1)  # x1 cos - x2 sin
