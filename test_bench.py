@@ -88,14 +88,15 @@ def test_copied_bytes_counts_copies_and_nothing_else():
     x = torch.randn(8, 4, requires_grad=True)  # 128 bytes
     buffer = torch.empty(8, 12)
     with CopiedBytes() as nothing:
-        y = x.t().view(2, 16) * 2 + 1  # a view, then arithmetic
-        torch.mm(x, x.t()[:, :4], out=buffer[:, 4:8])
+        y = x.view(2, 16).t() * 2 + 1  # views, then arithmetic
+        torch.mm(x.detach(), x.detach().t()[:, :4], out=buffer[:, 4:8])  # a matmul into a slice
     with CopiedBytes() as copies:
         x.t().contiguous()  # 128
         x.double()  # 256
         torch.cat([x, x])  # 256
         torch.autograd.grad(x[:2].sum(), x)  # the slice's backward writes all of x: 128
-    assert (nothing.bytes, copies.bytes, y.shape) == (0, 128 + 256 + 256 + 128, (2, 16))
+    assert (nothing.bytes, copies.bytes, y.shape) == (0, 128 + 256 + 256 + 128, (16, 2))
+
 
 def test_document_layout_balances_a_long_document():
     """bench.py balance's row: one document holds 60% of the 4,096 tokens and the rest are short. The per-document

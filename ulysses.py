@@ -418,7 +418,7 @@ class _ProjectAndSend(torch.autograd.Function):
         for j, t, rows in _rows_by_rank(weight, heads, P):
             torch.mm(x, rows.T, out=send[j, :, first[t]:first[t + 1]].flatten(1))  # (S/P, E) @ (E, h D), in place
         if cos is not None:  # q and k: the first hq + hkv heads of each row
-            _rotate_(send[:, :, :first[2]], *_halves(cos, sin, x.dtype))
+            _rotate_([send[:, :, :first[2]]], cos, sin)
         received = _all_to_all(send, group, "forward")  # (P, S/P, n, D): rank i's tokens of my heads, by rank
         return received.flatten(0, 1)[None].split(heads, dim=2)  # (1, S, n, D) -> (1, S, h, D) x 3, views
 
@@ -429,10 +429,8 @@ class _ProjectAndSend(torch.autograd.Function):
         P = dist.get_world_size(group)
         # the gradients of what I sent: row j of each is rank j's heads of my tokens, (P, S/P, h, D)
         back = [_all_to_all(g.contiguous().unflatten(1, (P, -1))[0], group, "backward") for g in grads]
-        if cos is not None:  # RoPE's backward: the inverse turn
-            c, s = _halves(cos, sin, x.dtype)
-            _rotate_(back[0], c, -s)
-            _rotate_(back[1], c, -s)
+        if cos is not None:  # RoPE's backward on q's and k's: the inverse turn
+            _rotate_(back[:2], cos, sin, turn=-1)
         dx, dweight = torch.zeros_like(x), torch.empty_like(weight)  # (S/P, E), ((n_head + 2 n_kv_head) D, E)
         for (j, t, rows), (_, _, d_rows) in zip(_rows_by_rank(weight, ctx.heads, P),
                                                 _rows_by_rank(dweight, ctx.heads, P)):
@@ -490,19 +488,17 @@ def _all_to_all(send, group, direction):
     return received
 
 
-def _halves(cos, sin, dtype):
-    """RoPE's tables [1, S/P, 1, D] -> their first halves [S/P, 1, D/2] (the halves repeat), in the buffer's dtype:
-    a float32 table would make each in-place op on a bf16 buffer round through a copy of its own."""
-    return (t[0].chunk(2, dim=-1)[0].to(dtype) for t in (cos, sin))
-
-
-def _rotate_(x, c, s):
-    """apply_rope in place, on a buffer autograd does not see: x [..., S/P, heads, D], c and s [S/P, 1, D/2] its
-    tables' halves (_halves). With s negated, the inverse turn: RoPE's backward."""
-    x1, x2 = x.chunk(2, dim=-1)
-    x1_sin = x1 * s
-    x1.mul_(c).addcmul_(x2, s, value=-1)  # x1 cos - x2 sin
-    x2.mul_(c).add_(x1_sin)  # x2 cos + x1 sin
+def _rotate_(buffers, cos, sin, turn=1):
+    """apply_rope in place, on buffers autograd does not see, each [..., S/P, heads, D]; cos and sin are
+    rope_cos_sin's tables [1, S/P, 1, D]. turn=-1: the inverse turn, RoPE's backward. The tables' first halves (the
+    halves repeat) are cast to the buffers' dtype first: a float32 table would make each in-place op on a bf16
+    buffer round through a copy of its own."""
+    c, s = (t[0].chunk(2, dim=-1)[0].to(buffers[0].dtype) for t in (cos, sin))  # (S/P, 1, D/2) each
+    for x in buffers:
+        x1, x2 = x.chunk(2, dim=-1)
+        x1_sin = x1 * s
+        x1.mul_(c).addcmul_(x2, s, value=-turn)  # x1 cos - x2 sin
+        x2.mul_(c).add_(x1_sin, alpha=turn)  # x2 cos + x1 sin
 
 
 # ----------------------------------------------------------------------------------------------------------------
