@@ -33,10 +33,11 @@ TRAIN_ARGS = ["--steps", "4", "--warmup", "2", "--n-layer", "2", "--n-embd", "32
 GDN_SHAPE = ["--gdn-k-heads", "2", "--gdn-v-heads", "4", "--gdn-v-dim", "12"]
 LAYOUTS = {  # each with a global batch of 8 sequences: dp * batch-size * grad-accum
     "sp4": ["--sp", "4", "--batch-size", "8"],  # --zero 3 is the default with 4 ranks
-    "dp2xsp2 accum": ["--sp", "2", "--batch-size", "1", "--grad-accum", "4"],  # one sequence: the layer's own path
+    # one sequence a micro-step: gpt.py's layer takes its own path (ulysses.attention_layer), with each sharding
+    "dp2xsp2 accum": ["--sp", "2", "--batch-size", "1", "--grad-accum", "4"],
     "dp2xsp2 zero0": ["--sp", "2", "--batch-size", "4", "--zero", "0"],
-    "dp2xsp2 fsdp2": ["--sp", "2", "--batch-size", "4", "--zero", "fsdp2"],
-    "dp2xsp2 tiles recompute": ["--sp", "2", "--batch-size", "4", "--tiles", "3", "--recompute"],
+    "dp2xsp2 fsdp2": ["--sp", "2", "--batch-size", "1", "--grad-accum", "4", "--zero", "fsdp2"],
+    "dp2xsp2 tiles recompute": ["--sp", "2", "--batch-size", "1", "--grad-accum", "4", "--tiles", "3", "--recompute"],
 }
 
 
