@@ -262,34 +262,73 @@ def test_the_send_buffer_goes_before_the_outputs_are_made():
     assert run_ranks(2, _exchange_peak_rank) == [3 * N + 1.5 * N + 3 * N] * 2
 
 
+AUTOCAST_HEADS = {2: (4, 2), 4: (8, 4)}  # P: (Hq, Hkv), the heads even over the ranks
+
+
+def _bf16_layer(leaves, Hq, Hkv, cos, sin, group=None):
+    """The layer under bf16 autocast from float32 leaves: its output and the leaves' gradients, as float32."""
+    leaves = [t.float().requires_grad_() for t in leaves]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = (ulysses.attention_layer(*leaves, Hq, Hkv, group, None, cos, sin) if group else
+               plain_layer(*leaves, Hq, Hkv, cos, sin))
+    assert out.dtype == torch.bfloat16, out.dtype  # as F.linear's under autocast
+    return [out.float().detach(), *torch.autograd.grad(out.float().sum(), leaves)]
+
+
 def _layer_autocast_rank(rank, world_size):
-    (x, *weights, _), cos, sin, _, _ = _layer_inputs(1, 4, 2, "causal")
-    results = []
-    for group, part in ((None, lambda t: t), (dist.group.WORLD, partial(sp_slice, rank=rank, world_size=world_size))):
-        leaves = [part(x).float().requires_grad_(), *(w.float().requires_grad_() for w in weights)]
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            out = ulysses.attention_layer(*leaves, 4, 2, group, None, part(cos), part(sin))
-        assert out.dtype == torch.bfloat16, out.dtype  # as F.linear's under autocast
-        out.float().sum().backward()
-        results.append([out.float().detach()] + [t.grad for t in leaves])
-    return results
+    (x, *weights, _), cos, sin, _, _ = _layer_inputs(1, *AUTOCAST_HEADS[world_size], "causal")
+    mine = partial(sp_slice, rank=rank, world_size=world_size)
+    return _bf16_layer([mine(x), *weights], *AUTOCAST_HEADS[world_size], mine(cos), mine(sin), dist.group.WORLD)
 
 
-def test_attention_layer_under_bf16_autocast():
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_attention_layer_under_bf16_autocast(world_size):
     """Under bf16 autocast the layer's own path computes in bf16, as the plain layer on one device does, and as
     accurately: measured against the plain layer in float64, its error in the output and in each gradient is at
-    most twice the plain layer's, whose matmuls and RoPE round the same products differently."""
-    per_rank = run_ranks(2, _layer_autocast_rank)
-    (x, qkv_weight, out_weight, _), cos, sin, _, _ = _layer_inputs(1, 4, 2, "causal")
+    most twice the plain layer's under autocast, whose matmuls and RoPE round the same products differently (its
+    sums of P and 3P products are added in float32 and rounded once, as one matmul rounds)."""
+    per_rank = run_ranks(world_size, _layer_autocast_rank)
+    Hq, Hkv = AUTOCAST_HEADS[world_size]
+    (x, qkv_weight, out_weight, _), cos, sin, _, _ = _layer_inputs(1, Hq, Hkv, "causal")
     leaves = [t.requires_grad_() for t in (x, qkv_weight, out_weight)]
-    out = plain_layer(*leaves, 4, 2, cos, sin)
+    out = plain_layer(*leaves, Hq, Hkv, cos, sin)
     exact = [out, *torch.autograd.grad(out.sum(), leaves)]
-    plain = per_rank[0][0]
-    layer = [torch.cat([r[1][0] for r in per_rank], dim=1), torch.cat([r[1][1] for r in per_rank], dim=1),
-             *(sum(r[1][j] for r in per_rank) for j in (2, 3))]
+    plain = _bf16_layer([x, qkv_weight, out_weight], Hq, Hkv, cos, sin)
+    layer = [torch.cat([r[0] for r in per_rank], dim=1), torch.cat([r[1] for r in per_rank], dim=1),
+             *(sum(r[j] for r in per_rank) for j in (2, 3))]
     for name, want, a, b in zip(("out", "dx", "dW_qkv", "dW_out"), exact, plain, layer):
         plain_error, layer_error = ((t.double() - want).abs().max().item() for t in (a, b))
         assert 0 < layer_error <= 2 * plain_error, f"{name}: {layer_error:.2e} against {plain_error:.2e}"
+
+
+
+def test_sums_of_products_round_once_in_bf16():
+    """The layer adds its output projection and its dx as sums of P and 3P matmuls. In bf16 its sum of 12 (dx at
+    P = 4) is within twice the error of one matmul over the whole sum, against float64; rounding into bf16 once a
+    product (adding into the output in place) comes out at 3x to 4x."""
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(64, 12 * 32, generator=g).bfloat16(), torch.randn(12 * 32, 48, generator=g).bfloat16()
+    exact = a.double() @ b.double()
+    products = [(a[:, i * 32:(i + 1) * 32], b[i * 32:(i + 1) * 32]) for i in range(12)]
+    summed = ulysses._sum_of_products(products, torch.empty(64, 48, dtype=torch.bfloat16))
+    one, ours = ((t.double() - exact).abs().max().item() for t in (a @ b, summed))
+    assert summed.dtype == torch.bfloat16 and ours <= 2 * one, (ours, one)
+
+def _unequal_layer_rank(rank, world_size):
+    (x, *weights, _), cos, sin, _, _ = _layer_inputs(2, 4, 2, "causal")
+    x, cos, sin = (sp_slice(t, rank, world_size)[:1 + rank] for t in (x, cos, sin))  # rank 0: B 1, rank 1: B 2
+    try:
+        ulysses.attention_layer(x, *weights, 4, 2, dist.group.WORLD, None, cos, sin)
+    except ValueError as e:
+        return str(e)
+
+
+def test_attention_layer_refuses_ranks_of_different_batches():
+    """One sequence on one rank and two on the other would send the ranks down different paths (the layer's own
+    and ulysses_attention's) into different collectives: every rank raises first, naming the shapes."""
+    for message in run_ranks(2, _unequal_layer_rank):
+        assert message.startswith("the ranks of the SP group hold [batch, tokens] shards of different shapes, "
+                                  "[(1, 12), (2, 12)] by rank")
 
 
 def _dense_attention(q, k, v, allowed):
@@ -435,6 +474,25 @@ def test_compiled_attention_matches_eager(world_size):
     for rank_results in run_ranks(world_size, _compiled_attention_rank, "aot_eager"):
         assert rank_results == [(pytest.approx(0, abs=1e-6), 1)] * len(COMPILE_CASES[world_size])
 
+
+
+def _compiled_layer_rank(rank, world_size):
+    (x, *weights, _), cos, sin, _, _ = _layer_inputs(1, 4, 2, "causal")
+    x, cos, sin = (sp_slice(t, rank, world_size) for t in (x, cos, sin))
+    compiled = torch.compile(ulysses.attention_layer, backend="aot_eager", fullgraph=True)
+    pair = []
+    for layer in (ulysses.attention_layer, compiled):  # eager takes the layer's own path, compiled the plain one
+        leaves = [t.clone().requires_grad_() for t in (x, *weights)]
+        out = layer(*leaves, 4, 2, dist.group.WORLD, None, cos, sin)
+        pair.append([out, *torch.autograd.grad(out.sum(), leaves)])
+    return max((a - b).abs().max().item() for a, b in zip(*pair))
+
+
+def test_compiled_attention_layer_matches_eager():
+    """torch.compile(attention_layer, fullgraph=True) with one sequence a rank traces the plain matmuls around the
+    exchange operator (the layer's own path writes into buffers, which the compiler does not trace), and equals the
+    eager layer's own path, forward and backward."""
+    assert run_ranks(2, _compiled_layer_rank) == [pytest.approx(0, abs=1e-12)] * 2
 
 USP_COMPILE_CASES = {2: (1, 2, 4, 2), 3: (1, 3, 6, 2), 4: (2, 2, 6, 3)}  # P: (U, R, Hq, Hkv)
 

@@ -28,8 +28,8 @@ One optimizer step, on every rank of the dp x sp mesh. The code cites these step
      [r*S_pad/sp, (r+1)*S_pad/sp) with their GLOBAL position ids (ulysses.shard_for_sp; with --ring, the zigzag
      order, or with --pack each document's share);
   4. (rule 3) forward on the local tokens: embeddings, norms, MLP and loss per token, attention through two
-     all-to-alls per layer (gpt.py calls ulysses.attention_layer); the model returns the SUM of its token
-     losses;
+     all-to-alls per layer forward (gpt.py calls ulysses.attention_layer); the model returns the SUM of its
+     token losses;
   5. (rule 4) loss = that sum / the valid tokens of the WHOLE global batch, all dp x sp ranks and micro-steps
      (ulysses.global_valid_tokens); a batch without valid tokens gives 0, never NaN;
   6. (rule 4) backward; gradients are SUMMED over all dp x sp ranks (ZeRO-3 reduce-scatters with SUM). With step

@@ -47,6 +47,7 @@ from functools import partial
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
 from torch.distributed.distributed_c10d import _resolve_process_group  # a group's name -> the group
 
 try:  # optional, CUDA only: flash-attn's kernels take the [B, S, H, D] layout as it is (2.7 or later)
@@ -102,13 +103,19 @@ def _one_tensor_exchange(x, group, scatter_dim, gather_dim, direction):
     H/P the heads of each rank."""
     P = dist.get_world_size(group)
     send = x.unflatten(scatter_dim, (P, -1)).movedim(scatter_dim, 0)  # (B, S/P, H, D) -> (P, B, S/P, H/P, D)
-    send = send.contiguous()  # one copy: row j, my tokens of rank j's heads, goes to rank j
-    received = torch.empty_like(send)  # (P, B, S/P, H/P, D): row i will be rank i's tokens of my heads
-    with _gloo_lets_go(received, send):
-        dist.all_to_all_single(received, send, group=group)
-    _count(direction, send.nbytes * (P - 1) // P)  # row `rank` stays here
+    # one copy: row j, my tokens of rank j's heads, goes to rank j; row i of what comes back is rank i's tokens
+    received = _all_to_all(send.contiguous(), group, direction)  # (P, B, S/P, H/P, D), my heads
     joined = received.movedim(0, gather_dim)  # (P, B, S/P, H/P, D) -> (B, P, S/P, H/P, D)
     return joined.flatten(gather_dim, gather_dim + 1)  # -> (B, S, H/P, D), a copy unless B = 1
+
+
+def _all_to_all(send, group, direction):
+    """Row j of send [P, ...] goes to rank j; row i of what returns came from rank i. One call, no copy."""
+    received = torch.empty_like(send)
+    with _gloo_lets_go(received, send):
+        dist.all_to_all_single(received, send, group=group)
+    _count(direction, send.nbytes // len(send) * (len(send) - 1))  # row `rank` stays here
+    return received
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -347,18 +354,18 @@ def _joined(t, heads, to_heads, P, me):
 #
 #     send[j] = x @ (W's rows of rank j's heads)^T         [P, S/P, n, D]   the qkv projection writes it, row by
 #                                                                           row; RoPE turns q and k there
-#     send    [ qkv(t0, h0) | qkv(t0, h1) ]   all-to-all   receive [ qkv(t0, h0) | qkv(t1, h0) ]   [S, n, D]
-#     q, k, v = receive[:, :hq], receive[:, hq:hq+hkv], receive[:, hq+hkv:]      views, the tokens in order
+#     send    [ qkv(t0, h0) | qkv(t0, h1) ]   all-to-all   received [ qkv(t0, h0) | qkv(t1, h0) ]   [S, n, D]
+#     q, k, v = received[:, :hq], received[:, hq:hq+hkv], received[:, hq+hkv:]   views, the tokens in order
 #     y = attn_fn(q, k, v)                                  [S, hq, D]      token-major, as kernels return it
-#     y, its rows by rank   all-to-all   back [ y(t0, h0) | y(t0, h1) ]    y is the send buffer as it is
-#     out = sum over ranks i of back[i] @ (W_out's columns of rank i's heads)^T    [S/P, E]
+#     y, its rows by rank   all-to-all   received [ y(t0, h0) | y(t0, h1) ]    y is the send buffer as it is
+#     out = sum over ranks i of received[i] @ (W_out's columns of rank i's heads)^T    [S/P, E]
 #
 # Backward is the same picture reversed: the output projection's backward writes the send buffer row by row; the
 # kernel's gradients of q, k and v travel as the kernel returns them, in one call each (one call would need them
 # joined in one buffer, a copy of every byte); the qkv projection's backward reads them where they land. Nothing
-# is copied outside the collectives, either way. This needs the heads to split evenly (P divides n_head and
-# n_kv_head) and one sequence a rank (B = 1, the long-sequence case). Anything else, and a layer being compiled,
-# runs as plain matmuls around ulysses_attention.
+# is copied outside the collectives, either way, with a kernel that returns token-major tensors (as SDPA does).
+# This needs the heads to split evenly (P divides n_head and n_kv_head) and one sequence a rank (B = 1, the
+# long-sequence case). Anything else, and a layer being compiled, runs as plain matmuls around ulysses_attention.
 
 
 def rope_cos_sin(position_ids, head_dim, base):
@@ -379,26 +386,27 @@ def attention_layer(x, qkv_weight, out_weight, n_head, n_kv_head, group=None, at
                     sinks=None, **attn_kwargs):
     """A transformer's attention layer when each rank holds S/P tokens: x [B, S/P, E] -> [B, S/P, E]. It computes
     the heads of x @ qkv_weight^T (its rows: q's, then k's, then v's, as one nn.Linear holds them), RoPE on q and k
-    by cos and sin [B, S/P, 1, D] (rope_cos_sin at my tokens' global positions; None: no RoPE), attn_fn over the
+    by cos and sin [B, S/P, 1, D] (rope_cos_sin's, at my tokens' global positions; None: no RoPE), attn_fn over the
     full sequence with sinks and attn_kwargs (as ulysses_attention runs it), and the result @ out_weight^T
     ([E, n_head D]). Under autocast the matmuls run in its dtype, as nn.Linear's would. group=None or a group of
     one rank: no communication."""
     attn_fn = attn_fn or causal_attention
     (P, rank), (B, S_local) = size_and_rank(group), x.shape[:2]
     D = qkv_weight.shape[0] // (n_head + 2 * n_kv_head)
-    dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
-    x, qkv_weight, out_weight = (t.to(dtype) for t in (x, qkv_weight, out_weight))  # the casts F.linear makes
+    if torch.is_autocast_enabled(x.device.type) and x.dtype != torch.float64:  # the casts F.linear would make
+        x, qkv_weight, out_weight = (t.to(torch.get_autocast_dtype(x.device.type)) for t in (x, qkv_weight, out_weight))
+    if P > 1 and not torch.compiler.is_compiling():
+        check_shards(x, group)  # every rank takes the same path below (or every rank raises)
     if P == 1 or B > 1 or n_head % P or n_kv_head % P or torch.compiler.is_compiling():
         q, k, v = F.linear(x, qkv_weight).view(B, S_local, -1, D).split([n_head, n_kv_head, n_kv_head], 2)
         if cos is not None:
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # (B, S/P, heads, D)
         y = ulysses_attention(q, k, v, group, attn_fn, sinks=sinks, **attn_kwargs)  # (B, S/P, n_head, D)
         return F.linear(y.flatten(2), out_weight)  # (B, S/P, E)
-    check_shards(x, group)
-    heads = (n_head // P, n_kv_head // P, n_kv_head // P)  # my q, k and v heads, as every rank's
+    head_counts = (n_head // P, n_kv_head // P, n_kv_head // P)  # my q, k and v heads, as every rank's
     if sinks is not None:  # my kernel gets the sinks of my query heads
-        attn_kwargs["sinks"] = sinks[rank * heads[0]:(rank + 1) * heads[0]]  # (n_head,) -> (hq,)
-    q, k, v = _ProjectAndSend.apply(x.flatten(0, 1), qkv_weight, cos, sin, heads, group)  # (1, S, h, D) x 3
+        attn_kwargs["sinks"] = sinks[rank * head_counts[0]:(rank + 1) * head_counts[0]]  # (n_head,) -> (hq,)
+    q, k, v = _ProjectAndSend.apply(x.flatten(0, 1), qkv_weight, cos, sin, head_counts, group)  # (1, S, h, D) x 3
     y = attn_fn(q, k, v, **attn_kwargs)  # (1, S, hq, D)
     return _SendAndProject.apply(y, out_weight, group).unsqueeze(0)  # (S/P, E) -> (1, S/P, E)
 
@@ -409,42 +417,42 @@ class _ProjectAndSend(torch.autograd.Function):
     from where they land."""
 
     @staticmethod
-    def forward(ctx, x, weight, cos, sin, heads, group):
+    def forward(ctx, x, weight, cos, sin, head_counts, group):
         P = dist.get_world_size(group)
         ctx.save_for_backward(x, weight, cos, sin)
-        ctx.heads, ctx.group_name = heads, group.group_name  # the name: the graph holds no group
-        first = [sum(heads[:t]) for t in range(4)]  # where q, k and v start in a rank's n heads, and n
-        send = x.new_empty(P, x.shape[0], first[3], weight.shape[0] // (P * first[3]))  # (P, S/P, n, D)
-        for j, t, rows in _rows_by_rank(weight, heads, P):
-            torch.mm(x, rows.T, out=send[j, :, first[t]:first[t + 1]].flatten(1))  # (S/P, E) @ (E, h D), in place
+        ctx.head_counts, ctx.group_name = head_counts, group.group_name  # the name: the graph holds no group
+        starts = [sum(head_counts[:t]) for t in range(4)]  # where q, k and v start in a rank's n heads, and n
+        send = x.new_empty(P, x.shape[0], starts[3], weight.shape[0] // (P * starts[3]))  # (P, S/P, n, D)
+        for j, t, rows in _rows_by_rank(weight, head_counts, P):
+            torch.mm(x, rows.T, out=send[j, :, starts[t]:starts[t + 1]].flatten(1))  # (S/P, E) @ (E, h D), in place
         if cos is not None:  # q and k: the first hq + hkv heads of each row
-            _rotate_([send[:, :, :first[2]]], cos, sin)
+            _rotate_([send[:, :, :starts[2]]], cos, sin)
         received = _all_to_all(send, group, "forward")  # (P, S/P, n, D): rank i's tokens of my heads, by rank
-        return received.flatten(0, 1)[None].split(heads, dim=2)  # (1, S, n, D) -> (1, S, h, D) x 3, views
+        return received.flatten(0, 1)[None].split(head_counts, dim=2)  # (1, S, n, D) -> (1, S, h, D) x 3, views
 
     @staticmethod
+    @once_differentiable  # it writes into buffers autograd does not see
     def backward(ctx, *grads):
         x, weight, cos, sin = ctx.saved_tensors
         group = _resolve_process_group(ctx.group_name)
         P = dist.get_world_size(group)
         # the gradients of what I sent: row j of each is rank j's heads of my tokens, (P, S/P, h, D)
-        back = [_all_to_all(g.contiguous().unflatten(1, (P, -1))[0], group, "backward") for g in grads]
+        sent_back = [_all_to_all(g.contiguous().unflatten(1, (P, -1))[0], group, "backward") for g in grads]
         if cos is not None:  # RoPE's backward on q's and k's: the inverse turn
-            _rotate_(back[:2], cos, sin, turn=-1)
-        dx, dweight = torch.zeros_like(x), torch.empty_like(weight)  # (S/P, E), ((n_head + 2 n_kv_head) D, E)
-        for (j, t, rows), (_, _, d_rows) in zip(_rows_by_rank(weight, ctx.heads, P),
-                                                _rows_by_rank(dweight, ctx.heads, P)):
-            d_out = back[t][j].flatten(1)  # (S/P, h D)
-            dx.addmm_(d_out, rows)  # (S/P, h D) @ (h D, E)
-            torch.mm(d_out.T, x, out=d_rows)  # (h D, S/P) @ (S/P, E): these rows' gradient, in place
-        return dx, dweight, None, None, None, None
+            _rotate_(sent_back[:2], cos, sin, turn=-1)
+        dweight = torch.empty_like(weight)  # ((n_head + 2 n_kv_head) D, E)
+        blocks = list(zip(_rows_by_rank(weight, ctx.head_counts, P), _rows_by_rank(dweight, ctx.head_counts, P)))
+        for (j, t, _), (_, _, d_rows) in blocks:
+            torch.mm(sent_back[t][j].flatten(1).T, x, out=d_rows)  # (h D, S/P) @ (S/P, E): these rows', in place
+        dx = _sum_of_products([(sent_back[t][j].flatten(1), rows) for (j, t, rows), _ in blocks], torch.empty_like(x))
+        return dx, dweight, None, None, None, None  # dx: sum of (S/P, h D) @ (h D, E), (S/P, E)
 
 
-def _rows_by_rank(weight, heads, P):
+def _rows_by_rank(weight, head_counts, P):
     """(j, t, rows) for each rank j and each of q, k, v (t = 0, 1, 2): the rows of the qkv weight [(n_head + 2
     n_kv_head) D, E] that make rank j's heads of it, [h D, E], a view."""
-    D = weight.shape[0] // (P * sum(heads))
-    parts = weight.split([P * h * D for h in heads])  # q's rows, k's, v's
+    D = weight.shape[0] // (P * sum(head_counts))
+    parts = weight.split([P * h * D for h in head_counts])  # q's rows, k's, v's
     for j in range(P):
         for t, part in enumerate(parts):
             yield j, t, part.chunk(P)[j]
@@ -457,35 +465,42 @@ class _SendAndProject(torch.autograd.Function):
     @staticmethod
     def forward(ctx, y, weight, group):
         P = dist.get_world_size(group)
-        # (1, S, hq, D) -> (P, S/P, hq D): row i for rank i, y as it is (contiguous unless a kernel returns otherwise)
+        # (1, S, hq, D) -> (P, S/P, hq D): row i for rank i, y as it is (a copy only if the kernel's output is not
+        # token-major, as SDPA's is)
         send = y.contiguous().view(P, -1, y.shape[2] * y.shape[3])
-        back = _all_to_all(send, group, "forward")  # row i: my tokens of rank i's heads
-        ctx.save_for_backward(back, weight)
+        received = _all_to_all(send, group, "forward")  # row i: my tokens of rank i's heads
+        ctx.save_for_backward(received, weight)
         ctx.group_name, ctx.y_shape = group.group_name, y.shape
-        out = y.new_zeros(back.shape[1], weight.shape[0])  # (S/P, E)
-        for i, columns in enumerate(weight.chunk(P, dim=1)):  # rank i's heads' columns, (E, hq D)
-            out.addmm_(back[i], columns.T)  # (S/P, hq D) @ (hq D, E)
-        return out
+        columns = weight.chunk(P, dim=1)  # rank i's heads' columns, (E, hq D) each
+        out = y.new_empty(received.shape[1], weight.shape[0])  # (S/P, E)
+        return _sum_of_products([(received[i], columns[i].T) for i in range(P)], out)  # (S/P, hq D) @ (hq D, E)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad):
-        back, weight = ctx.saved_tensors
-        P = len(back)
-        send, dweight = torch.empty_like(back), torch.empty_like(weight)  # (P, S/P, hq D), (E, n_head D)
+        received, weight = ctx.saved_tensors
+        P = len(received)
+        send, dweight = torch.empty_like(received), torch.empty_like(weight)  # (P, S/P, hq D), (E, n_head D)
         for i, (columns, d_columns) in enumerate(zip(weight.chunk(P, dim=1), dweight.chunk(P, dim=1))):
             torch.mm(grad, columns, out=send[i])  # (S/P, E) @ (E, hq D): row i, for rank i's heads
-            torch.mm(grad.T, back[i], out=d_columns)  # (E, S/P) @ (S/P, hq D), in place
+            torch.mm(grad.T, received[i], out=d_columns)  # (E, S/P) @ (S/P, hq D), in place
         dy = _all_to_all(send, _resolve_process_group(ctx.group_name), "backward")  # row i: rank i's tokens
         return dy.view(ctx.y_shape), dweight, None  # (P, S/P, hq D) -> (1, S, hq, D)
 
 
-def _all_to_all(send, group, direction):
-    """Row j of send [P, ...] goes to rank j; row i of what returns came from rank i. One call, no copy."""
-    received = torch.empty_like(send)
-    with _gloo_lets_go(received, send):
-        dist.all_to_all_single(received, send, group=group)
-    _count(direction, send.nbytes // len(send) * (len(send) - 1))  # row `rank` stays here
-    return received
+def _sum_of_products(products, out):
+    """out = the sum of a @ b over products, [(a, b), ...], written into out. In bf16 or fp16 the products are
+    added in float32 and the sum rounded once, as one matmul over the whole sum would round it (adding into out
+    itself would round once a product, and the error would grow with P)."""
+    if out.dtype in (torch.float32, torch.float64):
+        torch.mm(*products[0], out=out)
+        for a, b in products[1:]:
+            out.addmm_(a, b)
+        return out
+    total = torch.zeros(out.shape, dtype=torch.float32, device=out.device)
+    for a, b in products[:-1]:
+        total.add_(a @ b)
+    return torch.add(total, products[-1][0] @ products[-1][1], out=out)  # rounded once, into out's dtype
 
 
 def _rotate_(buffers, cos, sin, turn=1):
