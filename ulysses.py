@@ -440,12 +440,14 @@ class _ProjectAndSend(torch.autograd.Function):
         sent_back = [_all_to_all(g.contiguous().unflatten(1, (P, -1))[0], group, "backward") for g in grads]
         if cos is not None:  # RoPE's backward on q's and k's: the inverse turn
             _rotate_(sent_back[:2], cos, sin, turn=-1)
+        blocks = list(_rows_by_rank(weight, ctx.head_counts, P))
+        # dx = the sum of (S/P, h D) @ (h D, E) over the blocks, (S/P, E); then each block's rows of the weight's
+        # gradient, (h D, S/P) @ (S/P, E), in place
+        dx = _sum_of_products([(sent_back[t][j].flatten(1), rows) for j, t, rows in blocks], torch.empty_like(x))
         dweight = torch.empty_like(weight)  # ((n_head + 2 n_kv_head) D, E)
-        blocks = list(zip(_rows_by_rank(weight, ctx.head_counts, P), _rows_by_rank(dweight, ctx.head_counts, P)))
-        for (j, t, _), (_, _, d_rows) in blocks:
-            torch.mm(sent_back[t][j].flatten(1).T, x, out=d_rows)  # (h D, S/P) @ (S/P, E): these rows', in place
-        dx = _sum_of_products([(sent_back[t][j].flatten(1), rows) for (j, t, rows), _ in blocks], torch.empty_like(x))
-        return dx, dweight, None, None, None, None  # dx: sum of (S/P, h D) @ (h D, E), (S/P, E)
+        for (j, t, _), (_, _, d_rows) in zip(blocks, _rows_by_rank(dweight, ctx.head_counts, P)):
+            torch.mm(sent_back[t][j].flatten(1).T, x, out=d_rows)
+        return dx, dweight, None, None, None, None
 
 
 def _rows_by_rank(weight, head_counts, P):
@@ -497,10 +499,13 @@ def _sum_of_products(products, out):
         for a, b in products[1:]:
             out.addmm_(a, b)
         return out
-    total = torch.zeros(out.shape, dtype=torch.float32, device=out.device)
-    for a, b in products[:-1]:
-        total.add_(a @ b)
-    return torch.add(total, products[-1][0] @ products[-1][1], out=out)  # rounded once, into out's dtype
+    for rows in range(0, len(out), 64):  # 64 rows at a time: the float32 sum stays small
+        total = torch.zeros(out[rows:rows + 64].shape, dtype=torch.float32, device=out.device)  # (64, E)
+        for a, b in products[:-1]:
+            total.add_(a[rows:rows + 64] @ b)
+        last = products[-1][0][rows:rows + 64] @ products[-1][1]
+        torch.add(total, last, out=out[rows:rows + 64])  # rounded once, into out's dtype
+    return out
 
 
 def _rotate_(buffers, cos, sin, turn=1):
