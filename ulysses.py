@@ -499,12 +499,12 @@ def _sum_of_products(products, out):
         for a, b in products[1:]:
             out.addmm_(a, b)
         return out
-    for rows in range(0, len(out), 64):  # 64 rows at a time: the float32 sum stays small
-        total = torch.zeros(out[rows:rows + 64].shape, dtype=torch.float32, device=out.device)  # (64, E)
+    for rows in range(0, len(out), 256):  # 256 rows at a time: the float32 sum stays small
+        total = torch.zeros(out[rows:rows + 256].shape, dtype=torch.float32, device=out.device)  # (256, E)
         for a, b in products[:-1]:
-            total.add_(a[rows:rows + 64] @ b)
-        last = products[-1][0][rows:rows + 64] @ products[-1][1]
-        torch.add(total, last, out=out[rows:rows + 64])  # rounded once, into out's dtype
+            total.add_(a[rows:rows + 256] @ b)
+        last = products[-1][0][rows:rows + 256] @ products[-1][1]
+        torch.add(total, last, out=out[rows:rows + 256])  # rounded once, into out's dtype
     return out
 
 
