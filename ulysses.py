@@ -261,11 +261,11 @@ def _exchange(x, group, heads, to_heads):
 @torch.library.custom_op("ulysses::exchange", mutates_args=())
 def _exchange_op(tensors: list[torch.Tensor], head_bounds: list[int], to_heads: bool, group_name: str, rank: int,
                  direction: str) -> list[torch.Tensor]:
-    """seq_to_heads (to_heads) or heads_to_seq of several tensors, all in ONE collective call. Tensor t is cut
-    by its heads, P ranges, one per rank. Each tensor's pieces are cut along split_dim (heads, or tokens on the
-    way back) and joined along join_dim. Rank j gets t's slice send[t][j], and what rank i sends lands at
-    receive[t][i] of the joined tensor. A place that several ranks fill (on its way back, a kv head that had
-    gone to several ranks) receives their sum. Returns the joined tensors.
+    """seq_to_heads (to_heads) or heads_to_seq of several tensors, all in ONE collective call; returns the joined
+    tensors. Each tensor is cut into P blocks, one per rank, and block j goes to rank j. On the way to heads a
+    tensor is cut by heads (rank j's range of that tensor's heads) and what arrives from rank i is placed by
+    tokens (rank i's stretch of the sequence); on the way back, the other way round. A place that several ranks
+    fill (on its way back, a kv head that had gone to several ranks) receives their sum.
 
     It is an operator of its own (torch.library.custom_op), so that torch.compile traces a model through it
     without a break: the compiler sees one call, with the shapes and the backward given at the end of the file.
@@ -273,58 +273,57 @@ def _exchange_op(tensors: list[torch.Tensor], head_bounds: list[int], to_heads: 
     comments follow seq_to_heads, with H_j the heads of rank j."""
     group = _resolve_process_group(group_name)
     P = dist.get_world_size(group)
-    heads = _head_ranges(head_bounds, len(tensors))  # per tensor, one range of heads per rank
-    S_local = tensors[0].shape[1] if to_heads else tensors[0].shape[1] // P
-    tokens = [range(i * S_local, (i + 1) * S_local) for i in range(P)]  # rank i's tokens in the full sequence
-    if to_heads:  # cut each tensor by heads (dim 2), join what arrives by tokens (dim 1)
-        send, receive, split_dim, join_dim = heads, [tokens] * len(tensors), 2, 1
-    else:  # cut by tokens, join by heads
-        send, receive, split_dim, join_dim = [tokens] * len(tensors), heads, 1, 2
-    others = [j for j in range(P) if j != rank]
-    # pieces[j]: what rank j gets, tensor by tensor, as views of the inputs
-    pieces = [[t.narrow(split_dim, ranges[j].start, len(ranges[j])) for t, ranges in zip(tensors, send)]
-              for j in range(P)]  # (B, S/P, H, D) -> (B, S/P, H_j, D)
+    heads = _head_ranges(head_bounds, len(tensors))  # heads[k][j]: the heads of tensor k that rank j holds
+    S_local = tensors[0].shape[1] // (1 if to_heads else P)
+    tokens = [range(j * S_local, (j + 1) * S_local) for j in range(P)]  # rank j's stretch of the sequence
+    cut_dim, place_dim = (2, 1) if to_heads else (1, 2)  # heads then tokens, or tokens then heads
 
-    # 1. one copy into the send buffer, destination by destination; my own pieces stay where they are
-    outgoing = [piece for j in others for piece in pieces[j]]
-    send_buffer = tensors[0].new_empty(sum(piece.numel() for piece in outgoing))  # flat
-    for slot, piece in zip(send_buffer.split([piece.numel() for piece in outgoing]), outgoing):
-        slot.view(piece.shape).copy_(piece)
-    # 2. one collective. Rank i sends me its S/P tokens of my heads (on the way back: my S/P tokens of its heads)
-    arriving = [[t.shape[0] * S_local * len(t_heads[rank] if to_heads else t_heads[i]) * t.shape[3]
-                 for t, t_heads in zip(tensors, heads)] for i in range(P)]  # elements from rank i, by tensor
-    send_sizes = [0 if j == rank else sum(piece.numel() for piece in pieces[j]) for j in range(P)]
-    receive_sizes = [0 if i == rank else sum(arriving[i]) for i in range(P)]
-    receive_buffer = send_buffer.new_empty(sum(receive_sizes))  # flat
+    def block(x, k, j, dim):  # the part of tensor k (x: an input or an output) that belongs to rank j along dim
+        ranges = heads[k] if dim == 2 else tokens
+        return x.narrow(dim, ranges[j].start, len(ranges[j]))
+
+    def elements(k, i):  # of tensor k in the block rank i sends me: to heads, my heads; back, rank i's
+        B, _, _, D = tensors[k].shape
+        return B * S_local * len(heads[k][rank if to_heads else i]) * D
+
+    # 1. one copy into the send buffer: for each other rank, one block of each tensor; my own blocks stay put
+    others = [j for j in range(P) if j != rank]
+    outgoing = [block(x, k, j, cut_dim) for j in others for k, x in enumerate(tensors)]  # (B, S/P, H_j, D) each
+    send_buffer = tensors[0].new_empty(sum(b.numel() for b in outgoing))  # flat
+    for slot, b in zip(send_buffer.split([b.numel() for b in outgoing]), outgoing):
+        slot.view(b.shape).copy_(b)
+    # 2. one collective: rank i's blocks arrive in the same order, tensor by tensor
+    incoming = [elements(k, i) for i in others for k in range(len(tensors))]
+    receive_buffer = send_buffer.new_empty(sum(incoming))  # flat
     with _gloo_lets_go(receive_buffer, send_buffer):
-        dist.all_to_all_single(receive_buffer, send_buffer, receive_sizes, send_sizes, group=group)
+        dist.all_to_all_single(receive_buffer, send_buffer, _by_rank(incoming, rank, P),
+                               _by_rank([b.numel() for b in outgoing], rank, P), group=group)
     _count(direction, send_buffer.nbytes)
     # The send buffer is done with (gloo has sent it when the call returns; on CUDA the memory is reused only by
     # later work on the same stream), so its memory goes now, before the outputs are made: the two never
     # coexist. Resized rather than just dropped, because on CUDA the backend may still hold a reference.
     send_buffer.untyped_storage().resize_(0)
-    # 3. one copy out of the receive buffer (and out of my own pieces) into the joined tensors
-    joined = [_joined(t, t_heads, to_heads, P, rank) for t, t_heads in zip(tensors, heads)]  # (B, S, H_rank, D)
-    # places[i]: where what rank i sends lands, tensor by tensor, as views of the outputs
-    places = [[out.narrow(join_dim, ranges[i].start, len(ranges[i])) for out, ranges in zip(joined, receive)]
-              for i in range(P)]  # (B, S, H_rank, D) -> (B, S/P, H_rank, D): rank i's tokens
-    received = receive_buffer.split([n for i in others for n in arriving[i]])  # flat pieces
-    n = len(tensors)
-    from_rank = {i: received[k * n:(k + 1) * n] for k, i in enumerate(others)}  # rank i's n pieces, in order
-    from_rank[rank] = pieces[rank]
-    for k, (out, ranges) in enumerate(zip(joined, receive)):
-        # only on the way back to tokens, for k and v whose kv heads had gone to several ranks: their gradients add
-        overlapping = any(a.stop > b.start for a, b in zip(ranges, ranges[1:]))
-        if overlapping:
+    # 3. one copy out of the receive buffer, and out of my own blocks, into the joined tensors
+    joined = [_joined(x, heads[k], to_heads, P, rank) for k, x in enumerate(tensors)]  # (B, S, H_rank, D)
+    summed = [not to_heads and any(a.stop > b.start for a, b in zip(h, h[1:])) for h in heads]  # shared kv heads
+    for out, zeroed in zip(joined, summed):
+        if zeroed:
             out.zero_()
-        for i in range(P):
-            place = places[i][k]
-            piece = from_rank[i][k].view_as(place)  # flat -> (B, S/P, H_rank, D)
-            if overlapping:
-                place.add_(piece)
-            else:
-                place.copy_(piece)
+    arrived = iter(receive_buffer.split(incoming))  # rank by rank, tensor by tensor, as they were sent
+    for i in range(P):
+        for k, (x, out) in enumerate(zip(tensors, joined)):
+            place = block(out, k, i, place_dim)  # (B, S/P, H_rank, D): rank i's tokens of my heads
+            b = block(x, k, rank, cut_dim) if i == rank else next(arrived).view(place.shape)
+            (place.add_ if summed[k] else place.copy_)(b)
     return joined
+
+
+def _by_rank(sizes, me, P):
+    """Split sizes for all_to_all_single: sizes lists n blocks for each rank but me, in rank order; each rank gets
+    the sum of its n, and I get 0 (my own blocks never enter the buffers)."""
+    n = len(sizes) // (P - 1)
+    sums = [sum(sizes[m * n:(m + 1) * n]) for m in range(P - 1)]
+    return sums[:me] + [0] + sums[me:]
 
 
 def _head_ranges(bounds, n_tensors):
