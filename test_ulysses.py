@@ -158,9 +158,10 @@ def _heads_sent_by_hand(Hq, Hkv, P, rank):
 
 # the attention layer, projections included: ulysses.attention_layer, as gpt.py runs it
 
-LAYER_CASES = {  # P: (B, Hq, Hkv, the kernel and its arguments); B = 1 with even heads takes the layer's own path
-    2: [(1, 4, 2, "causal"), (1, 4, 4, "window"), (1, 4, 2, "documents"), (1, 4, 2, "sinks"), (2, 4, 2, "causal")],
-    4: [(1, 8, 4, "causal"), (1, 4, 4, "documents"), (1, 6, 2, "causal")]}
+LAYER_CASES = {  # P: (B, Hq, Hkv, the kernel and its arguments); which take the layer's own path: `own_path`
+    2: [(1, 4, 2, "causal"), (1, 4, 4, "window"), (1, 4, 2, "documents"), (1, 4, 2, "sinks"), (1, 4, 1, "causal"),
+        (2, 4, 2, "causal"), (1, 6, 3, "causal")],
+    4: [(1, 8, 4, "causal"), (1, 4, 4, "documents"), (1, 8, 2, "sinks"), (1, 4, 1, "window"), (1, 6, 2, "causal")]}
 LAYER_S, LAYER_D = 24, 8
 LAYER_POSITIONS = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 0, 1, 2, 3, 0, 1, 2, 3, 4]])
 
@@ -203,9 +204,11 @@ def _layer_rank(rank, world_size):
 def test_attention_layer_matches_one_device(world_size):
     """attention_layer, projections and RoPE included, against the plain layer on one device in float64: output
     and the gradients of x, both weights and the sinks (the weights' summed over the ranks). Causal, windowed and
-    packed-document kernels, the ring's kernel with sinks, GQA; with one sequence a rank and even heads it takes
-    its own path (one all-to-all forward each way, dq, dk and dv in three calls backward), otherwise the plain
-    matmuls around ulysses_attention. Each rank sends what ulysses_attention would: the bytes of its heads."""
+    packed-document kernels, the ring's kernel with sinks, GQA, a kv head shared by several ranks (P > Hkv); with
+    one sequence a rank and heads that P splits evenly it takes its own path (one all-to-all forward each way, dq,
+    dk and dv in three calls backward), otherwise the plain matmuls around ulysses_attention (B = 2; 6 heads on 4
+    ranks; 6 heads with 3 kv heads on 2, whose middle kv head both ranks use). Each rank sends what
+    ulysses_attention would: the bytes of its heads."""
     per_rank = run_ranks(world_size, _layer_rank)
     for i, (B, Hq, Hkv, kernel) in enumerate(LAYER_CASES[world_size]):
         (x, qkv_weight, out_weight, sinks), cos, sin, attn_fn, kwargs = _layer_inputs(B, Hq, Hkv, kernel)
@@ -218,7 +221,7 @@ def test_attention_layer_matches_one_device(world_size):
         got = [torch.cat([r[i][0][0] for r in per_rank], dim=1), torch.cat([r[i][0][1] for r in per_rank], dim=1),
                *(sum(r[i][0][j] for r in per_rank) for j in range(2, len(want)))]
         assert_all_close(got, want, rtol=1e-10, atol=1e-10, where=f"P={world_size} B={B} Hq={Hq} Hkv={Hkv} {kernel}")
-        own_path = B == 1 and Hq % world_size == 0 and Hkv % world_size == 0
+        own_path = B == 1 and Hq % world_size == 0 and (Hkv % world_size == 0 or world_size % Hkv == 0)
         unit = B * LAYER_S // world_size * LAYER_D * 8  # bytes of one head of a rank's tokens, float64
         for rank, (_, stats) in enumerate(r[i] for r in per_rank):
             forward, backward = _heads_sent_by_hand(Hq, Hkv, world_size, rank)
@@ -227,23 +230,27 @@ def test_attention_layer_matches_one_device(world_size):
 
 
 def _layer_copies_rank(rank, world_size, dtype):
-    (x, qkv_weight, out_weight, _), cos, sin, _, _ = _layer_inputs(1, 4, 2, "causal")
-    leaves = [t.to(dtype).requires_grad_() for t in (sp_slice(x, rank, world_size), qkv_weight, out_weight)]
-    with CopiedBytes() as forward:
-        out = ulysses.attention_layer(*leaves, 4, 2, dist.group.WORLD, None, sp_slice(cos, rank, world_size),
-                                      sp_slice(sin, rank, world_size))
-    with CopiedBytes() as backward:
-        torch.autograd.grad(out, leaves, torch.ones_like(out))
-    return forward.bytes, backward.bytes
+    counts = []
+    for Hq, Hkv in ((4, 2), (4, 1)):  # 2 kv heads, one a rank; 1, which both ranks use
+        (x, qkv_weight, out_weight, _), cos, sin, _, _ = _layer_inputs(1, Hq, Hkv, "causal")
+        leaves = [t.to(dtype).requires_grad_() for t in (sp_slice(x, rank, world_size), qkv_weight, out_weight)]
+        with CopiedBytes() as forward:
+            out = ulysses.attention_layer(*leaves, Hq, Hkv, dist.group.WORLD, None, sp_slice(cos, rank, world_size),
+                                          sp_slice(sin, rank, world_size))
+        with CopiedBytes() as backward:
+            torch.autograd.grad(out, leaves, torch.ones_like(out))
+        counts += [forward.bytes, backward.bytes]
+    return counts
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bf16"])
 def test_attention_layer_copies_nothing(dtype):
     """The layer's own path writes each step's result where the next step reads it: no copy outside the
-    collectives, forward or backward (copies counted by bench.CopiedBytes, the count BENCHMARKS reports). In bf16
-    the one copy is RoPE's two float32 tables cast, [S/P, D/2] each (1/H of q's bytes), once each way."""
+    collectives, forward or backward (copies counted by bench.CopiedBytes, the count BENCHMARKS reports), also
+    with a kv head that both ranks use. In bf16 the one copy is RoPE's two float32 tables cast, [S/P, D/2] each
+    (1/H of q's bytes), once each way."""
     tables = 0 if dtype == torch.float32 else 2 * LAYER_S // 2 * LAYER_D // 2 * dtype.itemsize
-    assert run_ranks(2, _layer_copies_rank, dtype) == [(tables, tables), (tables, tables)]
+    assert run_ranks(2, _layer_copies_rank, dtype) == [[tables] * 4] * 2
 
 
 def _exchange_peak_rank(rank, world_size):
@@ -262,7 +269,7 @@ def test_the_send_buffer_goes_before_the_outputs_are_made():
     assert run_ranks(2, _exchange_peak_rank) == [3 * N + 1.5 * N + 3 * N] * 2
 
 
-AUTOCAST_HEADS = {2: (4, 2), 4: (8, 4)}  # P: (Hq, Hkv), the heads even over the ranks
+AUTOCAST_HEADS = {2: (4, 2), 4: (8, 2)}  # P: (Hq, Hkv), the heads even over the ranks; at P = 4 two ranks a kv head
 
 
 def _bf16_layer(leaves, Hq, Hkv, cos, sin, group=None):
@@ -301,7 +308,6 @@ def test_attention_layer_under_bf16_autocast(world_size):
         assert 0 < layer_error <= 2 * plain_error, f"{name}: {layer_error:.2e} against {plain_error:.2e}"
 
 
-
 def test_sums_of_products_round_once_in_bf16():
     """The layer adds its output projection and its dx as sums of P and 3P matmuls. In bf16 its sum of 12 (dx at
     P = 4) is within twice the error of one matmul over the whole sum, against float64; rounding into bf16 once a
@@ -313,6 +319,7 @@ def test_sums_of_products_round_once_in_bf16():
     summed = ulysses._sum_of_products(products, torch.empty(64, 48, dtype=torch.bfloat16))
     one, ours = ((t.double() - exact).abs().max().item() for t in (a @ b, summed))
     assert summed.dtype == torch.bfloat16 and ours <= 2 * one, (ours, one)
+
 
 def _unequal_layer_rank(rank, world_size):
     (x, *weights, _), cos, sin, _, _ = _layer_inputs(2, 4, 2, "causal")

@@ -363,8 +363,11 @@ def _joined(t, heads, to_heads, P, me):
 # kernel's gradients of q, k and v travel as the kernel returns them, in one call each (one call would need them
 # joined in one buffer, a copy of every byte); the qkv projection's backward reads them where they land. Nothing
 # is copied outside the collectives, either way, with a kernel that returns token-major tensors (as SDPA does).
-# This needs the heads to split evenly (P divides n_head and n_kv_head) and one sequence a rank (B = 1, the
-# long-sequence case). Anything else, and a layer being compiled, runs as plain matmuls around ulysses_attention.
+# This needs every rank to hold as many heads as every other, each of its query heads paired with its kv heads as a
+# kernel pairs them: P divides n_head, and P divides n_kv_head or n_kv_head divides P (then each rank gets one kv
+# head, and the ranks that share it each compute its rows of the projection). It also needs one sequence a rank
+# (B = 1, the long-sequence case). Anything else, and a layer being compiled, runs as plain matmuls around
+# ulysses_attention.
 
 
 def rope_cos_sin(position_ids, head_dim, base):
@@ -396,16 +399,16 @@ def attention_layer(x, qkv_weight, out_weight, n_head, n_kv_head, group=None, at
         x, qkv_weight, out_weight = (t.to(torch.get_autocast_dtype(x.device.type)) for t in (x, qkv_weight, out_weight))
     if P > 1 and not torch.compiler.is_compiling():
         check_shards(x, group)  # every rank takes the same path below (or every rank raises)
-    if P == 1 or B > 1 or n_head % P or n_kv_head % P or torch.compiler.is_compiling():
+    if P == 1 or B > 1 or n_head % P or (n_kv_head % P and P % n_kv_head) or torch.compiler.is_compiling():
         q, k, v = F.linear(x, qkv_weight).view(B, S_local, -1, D).split([n_head, n_kv_head, n_kv_head], 2)
         if cos is not None:
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # (B, S/P, heads, D)
         y = ulysses_attention(q, k, v, group, attn_fn, sinks=sinks, **attn_kwargs)  # (B, S/P, n_head, D)
         return F.linear(y.flatten(2), out_weight)  # (B, S/P, E)
-    head_counts = (n_head // P, n_kv_head // P, n_kv_head // P)  # my q, k and v heads, as every rank's
+    layout = head_layout(n_head, n_kv_head, P)  # (query heads, kv heads): P ranges each, of equal lengths here
     if sinks is not None:  # my kernel gets the sinks of my query heads
-        attn_kwargs["sinks"] = sinks[rank * head_counts[0]:(rank + 1) * head_counts[0]]  # (n_head,) -> (hq,)
-    q, k, v = _ProjectAndSend.apply(x.flatten(0, 1), qkv_weight, cos, sin, head_counts, group)  # (1, S, h, D) x 3
+        attn_kwargs["sinks"] = sinks[layout[0][rank].start:layout[0][rank].stop]  # (n_head,) -> (hq,)
+    q, k, v = _ProjectAndSend.apply(x.flatten(0, 1), qkv_weight, cos, sin, layout, group)  # (1, S, h, D) x 3
     y = attn_fn(q, k, v, **attn_kwargs)  # (1, S, hq, D)
     return _SendAndProject.apply(y, out_weight, group).unsqueeze(0)  # (S/P, E) -> (1, S/P, E)
 
@@ -416,13 +419,15 @@ class _ProjectAndSend(torch.autograd.Function):
     from where they land."""
 
     @staticmethod
-    def forward(ctx, x, weight, cos, sin, head_counts, group):
+    def forward(ctx, x, weight, cos, sin, layout, group):
         P = dist.get_world_size(group)
         ctx.save_for_backward(x, weight, cos, sin)
-        ctx.head_counts, ctx.group_name = head_counts, group.group_name  # the name: the graph holds no group
+        ctx.layout, ctx.group_name = layout, group.group_name  # the name: the graph holds no group
+        head_counts = [len(layout[0][0]), len(layout[1][0]), len(layout[1][0])]  # a rank's q, k and v heads
         starts = [sum(head_counts[:t]) for t in range(4)]  # where q, k and v start in a rank's n heads, and n
-        send = x.new_empty(P, x.shape[0], starts[3], weight.shape[0] // (P * starts[3]))  # (P, S/P, n, D)
-        for j, t, rows in _rows_by_rank(weight, head_counts, P):
+        D = weight.shape[0] // (layout[0][-1].stop + 2 * layout[1][-1].stop)
+        send = x.new_empty(P, x.shape[0], starts[3], D)  # (P, S/P, n, D)
+        for j, t, _, rows in _rows_by_rank(weight, layout):
             torch.mm(x, rows.T, out=send[j, :, starts[t]:starts[t + 1]].flatten(1))  # (S/P, E) @ (E, h D), in place
         if cos is not None:  # q and k: the first hq + hkv heads of each row
             _rotate_([send[:, :, :starts[2]]], cos, sin)
@@ -439,24 +444,30 @@ class _ProjectAndSend(torch.autograd.Function):
         sent_back = [_all_to_all(g.contiguous().unflatten(1, (P, -1))[0], group, "backward") for g in grads]
         if cos is not None:  # RoPE's backward on q's and k's: the inverse turn
             _rotate_(sent_back[:2], cos, sin, turn=-1)
-        blocks = list(_rows_by_rank(weight, ctx.head_counts, P))
-        # dx = the sum of (S/P, h D) @ (h D, E) over the blocks, (S/P, E); then each block's rows of the weight's
-        # gradient, (h D, S/P) @ (S/P, E), in place
-        dx = _sum_of_products([(sent_back[t][j].flatten(1), rows) for j, t, rows in blocks], torch.empty_like(x))
+        blocks = list(_rows_by_rank(weight, ctx.layout))
+        # dx = the sum of (S/P, h D) @ (h D, E) over the blocks, (S/P, E)
+        dx = _sum_of_products([(sent_back[t][j].flatten(1), rows) for j, t, _, rows in blocks], torch.empty_like(x))
+        # each block's rows of the weight's gradient, (h D, S/P) @ (S/P, E), in place; rows that several ranks
+        # computed (a kv head they share) get the sum of their blocks'
         dweight = torch.empty_like(weight)  # ((n_head + 2 n_kv_head) D, E)
-        for (j, t, _), (_, _, d_rows) in zip(blocks, _rows_by_rank(dweight, ctx.head_counts, P)):
-            torch.mm(sent_back[t][j].flatten(1).T, x, out=d_rows)
+        sums = {}  # (q, k or v, its first head) -> (the gradient's rows, the products that add up to them)
+        for j, t, heads, d_rows in _rows_by_rank(dweight, ctx.layout):
+            sums.setdefault((t, heads.start), (d_rows, []))[1].append((sent_back[t][j].flatten(1).T, x))
+        for d_rows, products in sums.values():
+            _sum_of_products(products, d_rows)
         return dx, dweight, None, None, None, None
 
 
-def _rows_by_rank(weight, head_counts, P):
-    """(j, t, rows) for each rank j and each of q, k, v (t = 0, 1, 2): the rows of the qkv weight [(n_head + 2
-    n_kv_head) D, E] that make rank j's heads of it, [h D, E], a view."""
-    D = weight.shape[0] // (P * sum(head_counts))
-    parts = weight.split([P * h * D for h in head_counts])  # q's rows, k's, v's
-    for j in range(P):
-        for t, part in enumerate(parts):
-            yield j, t, part.chunk(P)[j]
+def _rows_by_rank(weight, layout):
+    """(j, t, heads, rows) for each rank j and each of q, k, v (t = 0, 1, 2): rank j's heads of it (a range) and
+    the rows of the qkv weight [(n_head + 2 n_kv_head) D, E] that make them, [h D, E], a view. layout: head_layout's
+    (query heads, kv heads); ranks that share a kv head get the same rows."""
+    query_heads, kv_heads = layout
+    D = weight.shape[0] // (query_heads[-1].stop + 2 * kv_heads[-1].stop)
+    parts = weight.split([query_heads[-1].stop * D, kv_heads[-1].stop * D, kv_heads[-1].stop * D])  # q's, k's, v's
+    for j in range(len(query_heads)):
+        for t, (part, heads) in enumerate(zip(parts, (query_heads[j], kv_heads[j], kv_heads[j]))):
+            yield j, t, heads, part[heads.start * D:heads.stop * D]
 
 
 class _SendAndProject(torch.autograd.Function):
@@ -493,17 +504,18 @@ def _sum_of_products(products, out):
     """out = the sum of a @ b over products, [(a, b), ...], written into out. In bf16 or fp16 the products are
     added in float32 and the sum rounded once, as one matmul over the whole sum would round it (adding into out
     itself would round once a product, and the error would grow with P)."""
-    if out.dtype in (torch.float32, torch.float64):
+    if out.dtype in (torch.float32, torch.float64) or len(products) == 1:
         torch.mm(*products[0], out=out)
         for a, b in products[1:]:
             out.addmm_(a, b)
         return out
-    for rows in range(0, len(out), 256):  # 256 rows at a time: the float32 sum stays small
-        total = torch.zeros(out[rows:rows + 256].shape, dtype=torch.float32, device=out.device)  # (256, E)
+    n = max(256, -(-len(out) // 8))  # rows at a time: the float32 sum stays within an eighth of out, in few matmuls
+    for rows in range(0, len(out), n):
+        total = torch.zeros(out[rows:rows + n].shape, dtype=torch.float32, device=out.device)  # (n, E)
         for a, b in products[:-1]:
-            total.add_(a[rows:rows + 256] @ b)
-        last = products[-1][0][rows:rows + 256] @ products[-1][1]
-        torch.add(total, last, out=out[rows:rows + 256])  # rounded once, into out's dtype
+            total.add_(a[rows:rows + n] @ b)
+        last = products[-1][0][rows:rows + n] @ products[-1][1]
+        torch.add(total, last, out=out[rows:rows + n])  # rounded once, into out's dtype
     return out
 
 
