@@ -45,11 +45,12 @@ def _final_weights(out_dir):
     return checkpoint.weights(checkpoint.newest(out_dir))
 
 
-@pytest.mark.parametrize("extra", [["--seq-len", "64"], ["--seq-len", "101", "--n-kv-head", "2"]],
-                         ids=["seq64", "seq101-kv2"])
+@pytest.mark.parametrize("extra", [["--seq-len", "64"], ["--seq-len", "101", "--n-kv-head", "1"]],
+                         ids=["seq64", "seq101-kv1"])
 def test_training_is_the_same_for_every_layout(extra, tmp_path):
     """Same global batch, same training: sp, dp x sp, gradient accumulation, ZeRO-3, plain all-reduce, FSDP2,
-    tiles and recomputation all give the one-process losses, gradient norms and final weights."""
+    tiles and recomputation all give the one-process losses, gradient norms and final weights. With one kv head
+    the sp 2 layouts at one sequence a micro-step take the layer's own path with the kv head on both ranks."""
     one_process = ["--sp", "1", "--batch-size", "8"] + TRAIN_ARGS + extra + ["--out-dir", str(tmp_path / "one")]
     [(reference, _)] = run_ranks(1, train_rank, [one_process])[0]
     out_dirs = {name: tmp_path / name.replace(" ", "_") for name in LAYOUTS}

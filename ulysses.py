@@ -309,11 +309,11 @@ def _exchange_op(tensors: list[torch.Tensor], head_bounds: list[int], to_heads: 
     for out, zeroed in zip(joined, summed):
         if zeroed:
             out.zero_()
-    arrived = iter(receive_buffer.split(incoming))  # rank by rank, tensor by tensor, as they were sent
+    arrived = iter(receive_buffer.split(incoming))  # flat blocks, rank by rank, tensor by tensor, as they were sent
     for i in range(P):
         for k, (x, out) in enumerate(zip(tensors, joined)):
             place = block(out, k, i, place_dim)  # (B, S/P, H_rank, D): rank i's tokens of my heads
-            b = block(x, k, rank, cut_dim) if i == rank else next(arrived).view(place.shape)
+            b = block(x, k, rank, cut_dim) if i == rank else next(arrived).view(place.shape)  # flat -> place's
             (place.add_ if summed[k] else place.copy_)(b)
     return joined
 
@@ -364,10 +364,12 @@ def _joined(t, heads, to_heads, P, me):
 # joined in one buffer, a copy of every byte); the qkv projection's backward reads them where they land. Nothing
 # is copied outside the collectives, either way, with a kernel that returns token-major tensors (as SDPA does).
 # This needs every rank to hold as many heads as every other, each of its query heads paired with its kv heads as a
-# kernel pairs them: P divides n_head, and P divides n_kv_head or n_kv_head divides P (then each rank gets one kv
-# head, and the ranks that share it each compute its rows of the projection). It also needs one sequence a rank
-# (B = 1, the long-sequence case). Anything else, and a layer being compiled, runs as plain matmuls around
-# ulysses_attention.
+# kernel pairs them: P divides n_head, and P divides n_kv_head or is a multiple of it. In the second case each rank
+# gets one kv head, which several ranks share: every rank computes that head's projection of its tokens once for
+# each rank that receives it (the kv projection made P / n_kv_head times over, small beside attention at long
+# lengths; copying it would break the picture), and the weight's gradient there is the sum of what those ranks
+# send back. It also needs one sequence a rank (B = 1, the long-sequence case). Anything else, and a layer being
+# compiled, runs as plain matmuls around ulysses_attention.
 
 
 def rope_cos_sin(position_ids, head_dim, base):
@@ -422,12 +424,12 @@ class _ProjectAndSend(torch.autograd.Function):
     def forward(ctx, x, weight, cos, sin, layout, group):
         P = dist.get_world_size(group)
         ctx.save_for_backward(x, weight, cos, sin)
-        ctx.layout, ctx.group_name = layout, group.group_name  # the name: the graph holds no group
+        D = weight.shape[0] // (layout[0][-1].stop + 2 * layout[1][-1].stop)  # the head size
+        ctx.layout, ctx.D, ctx.group_name = layout, D, group.group_name  # the name: the graph holds no group
         head_counts = [len(layout[0][0]), len(layout[1][0]), len(layout[1][0])]  # a rank's q, k and v heads
         starts = [sum(head_counts[:t]) for t in range(4)]  # where q, k and v start in a rank's n heads, and n
-        D = weight.shape[0] // (layout[0][-1].stop + 2 * layout[1][-1].stop)
         send = x.new_empty(P, x.shape[0], starts[3], D)  # (P, S/P, n, D)
-        for j, t, _, rows in _rows_by_rank(weight, layout):
+        for j, t, _, rows in _rows_by_rank(weight, layout, D):
             torch.mm(x, rows.T, out=send[j, :, starts[t]:starts[t + 1]].flatten(1))  # (S/P, E) @ (E, h D), in place
         if cos is not None:  # q and k: the first hq + hkv heads of each row
             _rotate_([send[:, :, :starts[2]]], cos, sin)
@@ -444,26 +446,25 @@ class _ProjectAndSend(torch.autograd.Function):
         sent_back = [_all_to_all(g.contiguous().unflatten(1, (P, -1))[0], group, "backward") for g in grads]
         if cos is not None:  # RoPE's backward on q's and k's: the inverse turn
             _rotate_(sent_back[:2], cos, sin, turn=-1)
-        blocks = list(_rows_by_rank(weight, ctx.layout))
+        blocks = list(_rows_by_rank(weight, ctx.layout, ctx.D))
         # dx = the sum of (S/P, h D) @ (h D, E) over the blocks, (S/P, E)
         dx = _sum_of_products([(sent_back[t][j].flatten(1), rows) for j, t, _, rows in blocks], torch.empty_like(x))
-        # each block's rows of the weight's gradient, (h D, S/P) @ (S/P, E), in place; rows that several ranks
-        # computed (a kv head they share) get the sum of their blocks'
+        # each block's rows of the weight's gradient, (h D, S/P) @ (S/P, E), in place; the rows of a kv head that
+        # several ranks received get the sum of what each sent back
         dweight = torch.empty_like(weight)  # ((n_head + 2 n_kv_head) D, E)
         sums = {}  # (q, k or v, its first head) -> (the gradient's rows, the products that add up to them)
-        for j, t, heads, d_rows in _rows_by_rank(dweight, ctx.layout):
+        for j, t, heads, d_rows in _rows_by_rank(dweight, ctx.layout, ctx.D):
             sums.setdefault((t, heads.start), (d_rows, []))[1].append((sent_back[t][j].flatten(1).T, x))
         for d_rows, products in sums.values():
             _sum_of_products(products, d_rows)
         return dx, dweight, None, None, None, None
 
 
-def _rows_by_rank(weight, layout):
+def _rows_by_rank(weight, layout, D):
     """(j, t, heads, rows) for each rank j and each of q, k, v (t = 0, 1, 2): rank j's heads of it (a range) and
     the rows of the qkv weight [(n_head + 2 n_kv_head) D, E] that make them, [h D, E], a view. layout: head_layout's
     (query heads, kv heads); ranks that share a kv head get the same rows."""
     query_heads, kv_heads = layout
-    D = weight.shape[0] // (query_heads[-1].stop + 2 * kv_heads[-1].stop)
     parts = weight.split([query_heads[-1].stop * D, kv_heads[-1].stop * D, kv_heads[-1].stop * D])  # q's, k's, v's
     for j in range(len(query_heads)):
         for t, (part, heads) in enumerate(zip(parts, (query_heads[j], kv_heads[j], kv_heads[j]))):
@@ -509,7 +510,9 @@ def _sum_of_products(products, out):
         for a, b in products[1:]:
             out.addmm_(a, b)
         return out
-    n = max(256, -(-len(out) // 8))  # rows at a time: the float32 sum stays within an eighth of out, in few matmuls
+    # rows at a time: an eighth of out's (256 at least, 2^24 elements at most), so that the float32 sum takes at
+    # most a quarter of out's bytes and 64 MiB, in few matmuls
+    n = max(256, min(-(-len(out) // 8), 2**24 // out.shape[1]))
     for rows in range(0, len(out), n):
         total = torch.zeros(out[rows:rows + n].shape, dtype=torch.float32, device=out.device)  # (n, E)
         for a, b in products[:-1]:
