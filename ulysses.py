@@ -387,25 +387,27 @@ def apply_rope(x, cos, sin):
 
 
 def attention_layer(x, qkv_weight, out_weight, n_head, n_kv_head, group=None, attn_fn=None, cos=None, sin=None,
-                    sinks=None, **attn_kwargs):
+                    check=True, sinks=None, **attn_kwargs):
     """A transformer's attention layer when each rank holds S/P tokens: x [B, S/P, E] -> [B, S/P, E]. It computes
     the heads of x @ qkv_weight^T (its rows: q's, then k's, then v's, as one nn.Linear holds them), RoPE on q and k
     by cos and sin [B, S/P, 1, D] (rope_cos_sin's, at my tokens' global positions; None: no RoPE), attn_fn over the
     full sequence with sinks and attn_kwargs (as ulysses_attention runs it), and the result @ out_weight^T
     ([E, n_head D]). Under autocast the matmuls run in its dtype, as nn.Linear's would. group=None or a group of
-    one rank: no communication."""
+    one rank: no communication. check: first make sure every rank holds a batch of the same [B, S/P] (`check_shards`,
+    one all-gather; q, k and v follow from that and the layer's own arguments); a model that checks once a forward,
+    as gpt.py does, passes check=False to its layers."""
     attn_fn = attn_fn or causal_attention
     (P, rank), (B, S_local) = size_and_rank(group), x.shape[:2]
     D = qkv_weight.shape[0] // (n_head + 2 * n_kv_head)
     if torch.is_autocast_enabled(x.device.type) and x.dtype != torch.float64:  # the casts F.linear would make
         x, qkv_weight, out_weight = (t.to(torch.get_autocast_dtype(x.device.type)) for t in (x, qkv_weight, out_weight))
-    if P > 1 and not torch.compiler.is_compiling():
+    if P > 1 and check and not torch.compiler.is_compiling():
         check_shards(x, group)  # every rank takes the same path below (or every rank raises)
     if P == 1 or B > 1 or n_head % P or (n_kv_head % P and P % n_kv_head) or torch.compiler.is_compiling():
         q, k, v = F.linear(x, qkv_weight).view(B, S_local, -1, D).split([n_head, n_kv_head, n_kv_head], 2)
         if cos is not None:
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # (B, S/P, heads, D)
-        y = ulysses_attention(q, k, v, group, attn_fn, sinks=sinks, **attn_kwargs)  # (B, S/P, n_head, D)
+        y = ulysses_attention(q, k, v, group, attn_fn, check=False, sinks=sinks, **attn_kwargs)  # (B, S/P, n_head, D)
         return F.linear(y.flatten(2), out_weight)  # (B, S/P, E)
     layout = head_layout(n_head, n_kv_head, P)  # (query heads, kv heads): P ranges each, of equal lengths here
     if sinks is not None:  # my kernel gets the sinks of my query heads
