@@ -53,7 +53,7 @@ def _shard_and_all_to_all_rank(rank, world_size, dtype):
 def test_shard_for_sp_and_the_all_to_all(world_size, dtype):
     """shard_for_sp pads at the end and keeps global positions (and each token's index); the valid-token count covers every rank; the
     all-to-all gives each rank exactly its heads of every token, heads_to_seq undoes it, and the backward of
-    seq_to_heads is heads_to_seq (one tensor: the plain all_to_all); uneven head counts and several tensors in
+    seq_to_heads is heads_to_seq (one tensor, its heads split evenly); uneven head counts and several tensors in
     one call (the fused exchange) work the same way. In bf16 too, bit for bit: the exchanges only move data."""
     results = run_ranks(world_size, _shard_and_all_to_all_rank, dtype)
     g = torch.Generator().manual_seed(0)
@@ -292,8 +292,9 @@ def _layer_autocast_rank(rank, world_size):
 def test_attention_layer_under_bf16_autocast(world_size):
     """Under bf16 autocast the layer's own path computes in bf16, as the plain layer on one device does, and as
     accurately: measured against the plain layer in float64, its error in the output and in each gradient is at
-    most twice the plain layer's under autocast, whose matmuls and RoPE round the same products differently (its
-    sums of P and 3P products are added in float32 and rounded once, as one matmul rounds)."""
+    most twice the plain layer's under autocast, whose matmuls and RoPE round the same products differently (the
+    layer's sums of P and 3P products, each rounded as its matmul returns it, are added in float32 and the sum
+    rounded once)."""
     per_rank = run_ranks(world_size, _layer_autocast_rank)
     Hq, Hkv = AUTOCAST_HEADS[world_size]
     (x, qkv_weight, out_weight, _), cos, sin, _, _ = _layer_inputs(1, Hq, Hkv, "causal")
@@ -311,9 +312,10 @@ def test_attention_layer_under_bf16_autocast(world_size):
 @pytest.mark.parametrize("rows", [64, 300, 2601])
 def test_sums_of_products_round_once_in_bf16(rows):
     """The layer adds its output projection and its dx as sums of P and 3P matmuls. In bf16 its sum of 12 (dx at
-    P = 4) is within twice the error of one matmul over the whole sum, against float64; rounding into bf16 once a
-    product (adding into the output in place) comes out at 3x to 4x. It sums 256 rows at a time, or an eighth of
-    them: 300 rows end in a part of 44, 2,601 in 7 parts of 326 and one of 319."""
+    P = 4), each product rounded as its matmul returns it and the sum rounded once, is within twice the error of one
+    matmul over the whole sum, against float64; rounding the running sum into bf16 once a product as well (adding
+    into the output in place) comes out at 3x to 4x. It sums 256 rows at a time, or an eighth of them: 300 rows end
+    in a part of 44, 2,601 in 7 parts of 326 and one of 319."""
     g = torch.Generator().manual_seed(rows)
     a, b = torch.randn(rows, 12 * 32, generator=g).bfloat16(), torch.randn(12 * 32, 48, generator=g).bfloat16()
     exact = a.double() @ b.double()
@@ -382,14 +384,16 @@ def test_shards_of_different_lengths_are_refused():
 
 
 def _mismatched_inputs_rank(rank, world_size):
-    """ulysses_attention where rank 1 passes one token more, q of another dtype, one query head more, or v of
-    another dtype than its q and k."""
+    """ulysses_attention where rank 1 passes one token more, q of another dtype, one query head more, v of another
+    dtype than its q and k, k of another head size than its q, or q, k and v of a dtype the check does not know."""
     messages = []
-    for tokens, dtype, heads, v_dtype in ((4 + rank, torch.float32, 4, None),
-                                          (4, (torch.float32, torch.float64)[rank], 4, None),
-                                          (4, torch.float32, 4 + 2 * rank, None),
-                                          (4, torch.float32, 4, (torch.float32, torch.float64)[rank])):
-        q, k, v = (torch.randn(2, tokens, h, 8, dtype=dtype) for h in (heads, 2, 2))  # (B, S/P, heads, D)
+    for tokens, dtype, heads, v_dtype, k_size in ((4 + rank, torch.float32, 4, None, 8),
+                                                  (4, (torch.float32, torch.float64)[rank], 4, None, 8),
+                                                  (4, torch.float32, 4 + 2 * rank, None, 8),
+                                                  (4, torch.float32, 4, (torch.float32, torch.float64)[rank], 8),
+                                                  (4, torch.float32, 4, None, 8 + 8 * rank),
+                                                  (4, (torch.float32, torch.complex64)[rank], 4, None, 8)):
+        q, k, v = (torch.randn(2, tokens, h, d, dtype=dtype) for h, d in ((heads, 8), (2, k_size), (2, 8)))
         try:
             ulysses.ulysses_attention(q, k, v.to(v_dtype or dtype), dist.group.WORLD)
         except ValueError as e:
@@ -398,18 +402,24 @@ def _mismatched_inputs_rank(rank, world_size):
 
 
 def test_ranks_that_pass_different_inputs_are_refused():
-    """Ranks whose q, k, v differ in tokens, dtype or heads, or a rank whose own q, k, v do not fit together: one
-    error on every rank naming what is wrong and where, never an abort inside gloo nor ranks left waiting in the
-    all-to-all for the one that stopped."""
+    """Ranks whose q, k, v differ in tokens, dtype or heads, or a rank whose own q, k, v do not fit together (v's
+    dtype, k's head size, a dtype it does not know): one error on every rank naming what is wrong and where, never
+    an abort inside gloo nor ranks left waiting in the all-to-all for the one that stopped."""
     for rank, messages in enumerate(run_ranks(2, _mismatched_inputs_rank)):
         differ = [f"ulysses_attention: the ranks of the SP group pass q, k, v of different {what}, {values} by rank; "
                   f"each must pass the same batch, S/P tokens and heads"
                   for what, values in (("tokens", [4, 5]), ("dtype", [torch.float32, torch.float64]),
                                        ("query heads", [4, 6]))]
-        mine = " (this rank: q (2, 4, 4, 8) torch.float32, k (2, 4, 2, 8) torch.float32, v (2, 4, 2, 8) torch.float64)"
-        unfit = (f"ulysses_attention: q, k and v do not fit together on SP rank 1{mine if rank == 1 else ''}; want q "
-                 f"[B, S/P, Hq, D], k [B, S/P, Hkv, D] and v [B, S/P, Hkv, Dv] of one dtype")
-        assert messages == differ + [unfit]
+        unfit = [f"ulysses_attention: q, k and v do not fit together on SP rank 1{mine if rank == 1 else ''}; want q "
+                 f"[B, S/P, Hq, D], k [B, S/P, Hkv, D] and v [B, S/P, Hkv, Dv] of one dtype: float64, float32, "
+                 f"bfloat16 or float16" for mine in (
+                     " (this rank: q (2, 4, 4, 8) torch.float32, k (2, 4, 2, 8) torch.float32, v (2, 4, 2, 8) "
+                     "torch.float64)",
+                     " (this rank: q (2, 4, 4, 8) torch.float32, k (2, 4, 2, 16) torch.float32, v (2, 4, 2, 8) "
+                     "torch.float32)",
+                     " (this rank: q (2, 4, 4, 8) torch.complex64, k (2, 4, 2, 8) torch.complex64, v (2, 4, 2, 8) "
+                     "torch.complex64)")]
+        assert messages == differ + unfit
 
 
 COLLECTIVES = ("all_gather", "all_gather_into_tensor", "all_gather_object", "all_reduce", "all_to_all",
@@ -417,26 +427,51 @@ COLLECTIVES = ("all_gather", "all_gather_into_tensor", "all_gather_object", "all
 
 
 def _check_off_rank(rank, world_size):
-    """The collectives one ulysses_attention call makes on this rank, with its input check and with check=False."""
+    """The collectives this rank makes in one call, with the input check and with check=False: of ulysses_attention,
+    and of attention_layer on its own path (B 1) and on its fallback (B 2)."""
     made = []
     for name in COLLECTIVES:
         setattr(dist, name, partial(lambda name, call, *args, **kwargs: made.append(name) or call(*args, **kwargs),
                                     name, getattr(dist, name)))
     q, k, v, _ = (sp_slice(t, rank, world_size) for t in qkv(2, 8, 4, 2, 8))
+    calls = {"ulysses_attention": partial(ulysses.ulysses_attention, q, k, v, dist.group.WORLD)}
+    for B in (1, 2):
+        (x, *weights, _), cos, sin, _, _ = _layer_inputs(B, 4, 2, "causal")
+        mine = partial(sp_slice, rank=rank, world_size=world_size)
+        calls[f"layer, B {B}"] = partial(ulysses.attention_layer, mine(x), *weights, 4, 2, dist.group.WORLD, None,
+                                         mine(cos), mine(sin))
     per_check = {}
-    for check in (True, False):
-        made.clear()
-        ulysses.ulysses_attention(q, k, v, dist.group.WORLD, check=check)
-        per_check[check] = list(made)
+    for what, call in calls.items():
+        for check in (True, False):
+            made.clear()
+            call(check=check)
+            per_check[what, check] = list(made)
     return per_check
 
 
 def test_check_false_skips_the_input_check():
-    """ulysses_attention(..., check=False) makes one collective fewer a call: the input check's, and nothing else
-    changes."""
+    """A forward makes two all-to-alls (q, k and v in one, the output in the other) and, unless check=False, one
+    all-gather before them, the check's: in ulysses_attention (its input check) and in attention_layer on either
+    path (its shard check; its fallback never checks q, k and v again, which follow from the shards)."""
     for per_check in run_ranks(2, _check_off_rank):
-        assert len(per_check[True]) == len(per_check[False]) + 1, per_check
-        assert all(per_check[True].count(name) >= per_check[False].count(name) for name in COLLECTIVES), per_check
+        for what in ("ulysses_attention", "layer, B 1", "layer, B 2"):
+            assert per_check[what, False] == ["all_to_all_single"] * 2, (what, per_check)
+            assert per_check[what, True] == ["all_gather"] + ["all_to_all_single"] * 2, (what, per_check)
+
+
+def test_sinks_need_a_kernel_that_takes_them():
+    """Sinks with the default kernel, which takes none, or not one a query head: ulysses_attention and
+    attention_layer both refuse them in one line, before any collective."""
+    q, k, v, _ = qkv(1, 8, 4, 2, 8)
+    (x, qkv_weight, out_weight, _), cos, sin, _, _ = _layer_inputs(1, 4, 2, "causal")
+    for caller, call in (("ulysses_attention", partial(ulysses.ulysses_attention, q, k, v)),
+                         ("attention_layer", partial(ulysses.attention_layer, x, qkv_weight, out_weight, 4, 2,
+                                                     cos=cos, sin=sin))):
+        for sinks, attn_fn in ((torch.zeros(4), None), (torch.zeros(3), ring.ring_attention)):
+            with pytest.raises(ValueError, match=rf"^{caller}: sinks \({sinks.shape[0]},\) need one logit per query "
+                                                 r"head, \[4\], and an attn_fn that takes sinks=, e\.g\. "
+                                                 r"ring\.ring_attention$"):
+                call(attn_fn=attn_fn, sinks=sinks)
 
 
 @pytest.mark.parametrize("labels_len, positions_shape, wrong", [(15, (2, 16), r"labels \(2, 15\)"),

@@ -76,8 +76,8 @@ except ImportError:
 def all_to_all(x, group, scatter_dim, gather_dim):
     """The textbook all-to-all of one tensor, differentiable: x cut into P equal pieces along scatter_dim, piece
     j sent to rank j, the pieces received joined along gather_dim. all_to_all(x, group, 2, 1) takes [B, S/P, H,
-    D] to [B, S, H/P, D]; all_to_all(y, group, 1, 2) takes it back. One copy before the collective, one after.
-    group=None or a group of one rank: x itself."""
+    D] to [B, S, H/P, D]; all_to_all(y, group, 1, 2) takes it back. One copy before the collective and one after
+    it, one of the two free when B = 1. group=None or a group of one rank: x itself."""
     if size_and_rank(group)[0] == 1:
         return x
     return _OneTensorAllToAll.apply(x, group, scatter_dim, gather_dim)
@@ -138,9 +138,7 @@ def ulysses_attention(q, k, v, group=None, attn_fn=None, check=True, sinks=None,
     heads as sinks=..., so it must take them (ring.ring_attention does, with group=None alone), and their gradient
     holds this rank's heads only, to be summed over the ranks as every gradient is (rule 4).
     """
-    if sinks is not None and (attn_fn is None or sinks.shape != q.shape[2:3]):
-        raise ValueError(f"ulysses_attention: sinks {tuple(sinks.shape)} need one logit per query head, "
-                         f"[{q.shape[2]}], and an attn_fn that takes sinks=, e.g. ring.ring_attention")
+    check_sinks(sinks, attn_fn, q.shape[2], "ulysses_attention")
     attn_fn = attn_fn or causal_attention
     P, rank = size_and_rank(group)
     if P == 1:
@@ -396,6 +394,7 @@ def attention_layer(x, qkv_weight, out_weight, n_head, n_kv_head, group=None, at
     one rank: no communication. check: first make sure every rank holds a batch of the same [B, S/P] (`check_shards`,
     one all-gather; q, k and v follow from that and the layer's own arguments); a model that checks once a forward,
     as gpt.py does, passes check=False to its layers."""
+    check_sinks(sinks, attn_fn, n_head, "attention_layer")
     attn_fn = attn_fn or causal_attention
     (P, rank), (B, S_local) = size_and_rank(group), x.shape[:2]
     D = qkv_weight.shape[0] // (n_head + 2 * n_kv_head)
@@ -504,16 +503,16 @@ class _SendAndProject(torch.autograd.Function):
 
 
 def _sum_of_products(products, out):
-    """out = the sum of a @ b over products, [(a, b), ...], written into out. In bf16 or fp16 the products are
-    added in float32 and the sum rounded once, as one matmul over the whole sum would round it (adding into out
-    itself would round once a product, and the error would grow with P)."""
+    """out = the sum of a @ b over products, [(a, b), ...], written into out. In bf16 or fp16 each product comes
+    out of its matmul rounded, as a matmul rounds; they are added in float32 and the sum rounded once (adding into
+    out itself would round the running sum once a product too, and the error would grow with P)."""
     if out.dtype in (torch.float32, torch.float64) or len(products) == 1:
         torch.mm(*products[0], out=out)
         for a, b in products[1:]:
             out.addmm_(a, b)
         return out
-    # rows at a time: an eighth of out's (256 at least, 2^24 elements at most), so that the float32 sum takes at
-    # most a quarter of out's bytes and 64 MiB, in few matmuls
+    # rows at a time, in few matmuls: an eighth of out's, but at least 256 and at most 2^24 elements, so that the
+    # float32 sum takes at most 64 MiB, and a quarter of out's bytes when out has 2,048 rows or more
     n = max(256, min(-(-len(out) // 8), 2**24 // out.shape[1]))
     for rows in range(0, len(out), n):
         total = torch.zeros(out[rows:rows + n].shape, dtype=torch.float32, device=out.device)  # (n, E)
@@ -701,8 +700,10 @@ def check_inputs(q, k, v, group):
     turns it off."""
     names = ("batch size", "tokens", "query heads", "head size", "kv heads", "value head size", "dtype")
     dtypes = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
-    fit = k.shape == v.shape[:3] + k.shape[3:] and q.shape[:2] == k.shape[:2] and q.dtype == k.dtype == v.dtype
-    mine = torch.tensor([*q.shape, k.shape[2], v.shape[3], dtypes.index(q.dtype), fit], device=q.device)  # (8,)
+    fit = (k.shape == v.shape[:3] + k.shape[3:] and q.shape[:2] == k.shape[:2] and q.shape[3] == k.shape[3]
+           and q.dtype == k.dtype == v.dtype and q.dtype in dtypes)
+    dtype = dtypes.index(q.dtype) if q.dtype in dtypes else -1  # another dtype: unfit, refused on every rank
+    mine = torch.tensor([*q.shape, k.shape[2], v.shape[3], dtype, fit], device=q.device)  # (8,)
     every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
     with _gloo_lets_go(mine, *every):
         dist.all_gather(every, mine, group=group)
@@ -713,12 +714,20 @@ def check_inputs(q, k, v, group):
                 f"{v.dtype})" if not fit else "")
         raise ValueError(f"ulysses_attention: q, k and v do not fit together on SP rank "
                          f"{', '.join(map(str, unfit))}{mine}; want q [B, S/P, Hq, D], k [B, S/P, Hkv, D] and v "
-                         f"[B, S/P, Hkv, Dv] of one dtype")
+                         f"[B, S/P, Hkv, Dv] of one dtype: float64, float32, bfloat16 or float16")
     for name, values in zip(names, every):
         values = [dtypes[i] for i in values] if name == "dtype" else values
         if len(set(values)) > 1:
             raise ValueError(f"ulysses_attention: the ranks of the SP group pass q, k, v of different {name}, "
                              f"{values} by rank; each must pass the same batch, S/P tokens and heads")
+
+
+def check_sinks(sinks, attn_fn, n_head, caller):
+    """ValueError unless sinks is None, or one logit per query head with an attn_fn that takes sinks= (the
+    default kernel does not)."""
+    if sinks is not None and (attn_fn is None or tuple(sinks.shape) != (n_head,)):
+        raise ValueError(f"{caller}: sinks {tuple(sinks.shape)} need one logit per query head, [{n_head}], and an "
+                         f"attn_fn that takes sinks=, e.g. ring.ring_attention")
 
 
 def check_shards(x, group=None):
