@@ -8,9 +8,10 @@ hanging, and a copy that exits 0 from a failed run tells its node's launcher tha
   1. every rank checks the flags on its own, before any process waits on another (`check_args`): they all find
      the same mistake, the first rank of each node prints it, and every rank exits 1;
   2. then the process group, and the dp x ring x ulysses mesh on it (`process_groups`), plus a gloo "control"
-     group whose waits have no deadline, for agreeing on problems; every rank beats in the group's store. Before
-     the mesh, the ranks compare their flags, and after reading the data its bytes (`same_everywhere`): nodes
-     started with other flags, or with a stale copy of the data, stop with one line instead of training wrong;
+     group whose waits have a day's deadline rather than --timeout, for agreeing on problems; every rank beats in
+     the group's store. Before the mesh, the ranks compare their flags, and after reading the data its bytes
+     (`same_everywhere`): nodes started with other flags, or with a stale copy of the data, stop with one line
+     instead of training wrong;
   3. what one rank may find alone (its data file, its memory, its disk) is agreed in one small all-gather
      (`agreed`): if any rank found a problem, every rank exits 1. The rank that found it prints its line, naming
      itself; rank 0 prints it too when it runs on another node, so each node's log says why its run failed;
@@ -192,7 +193,8 @@ def parse_args(argv=None):
     p.add_argument("--timeout", type=float, default=300, help="seconds a collective may wait for a peer")
     p.add_argument("--metrics", help="write one JSON line per optimizer step to this file (its folder is made if "
                    "missing)")
-    p.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="where the model computes: cuda where torch finds a GPU")
     p.add_argument("--plan", metavar="NxG", help="print the predicted memory per rank on N GPUs of G GiB, and exit")
     p.add_argument("--dry-run", action="store_true", help="with --plan: also run the training step, as the GPUs would, "
                    "on fake tensors (shapes without memory) on one rank of the N, and print its peak memory")

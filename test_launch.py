@@ -90,7 +90,8 @@ def test_help_shows_the_defaults(capsys, script, argv):
     printed = capsys.readouterr().out
     if script == "train.py":
         for flag, default in (("--seq-len", "128"), ("--steps", "600"), ("--batch-size", "8"), ("--n-embd", "128"),
-                              ("--timeout", "300"), ("--seed", "0"), ("--keep", "0")):
+                              ("--timeout", "300"), ("--seed", "0"), ("--keep", "0"),
+                              ("--device", "cuda" if torch.cuda.is_available() else "cpu")):
             text = re.search(rf"\n  {flag} (.*?)(?=\n  -|\Z)", printed, re.S).group(1)  # the flag's help
             assert f"(default: {default})" in " ".join(text.split()), flag
     else:  # bench.py lists its benchmarks; each of them, its flags

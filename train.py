@@ -22,8 +22,9 @@ really crosses the sequence shards.
 One optimizer step, on every rank of the dp x sp mesh. The code cites these step numbers; "rule N" is ulysses.py's.
   1. each DP rank draws its own micro-batches of full sequences; the sp ranks of an SP group draw the same ones
      (load_micro_batch);
-  2. (rule 1) the labels are shifted by one before any sharding, labels = input_ids[1:] + [-100]: a shard's last
-     label is the next shard's first token (data.make_sample);
+  2. (rule 1) the labels are shifted by one before any sharding, label i = token i + 1 (a sample is drawn one
+     token longer than its inputs; -100 where nothing is to be learned): a shard's last label is the next shard's
+     first token (data.make_sample);
   3. (rule 2) sequences are padded at the end to S_pad, a multiple of sp (label -100), and SP rank r keeps tokens
      [r*S_pad/sp, (r+1)*S_pad/sp) with their GLOBAL position ids (ulysses.shard_for_sp; with --ring, the zigzag
      order, or with --pack each document's share);
