@@ -114,8 +114,8 @@ def chunk_gated_delta_rule(q, k, v, g, beta, starts=None, chunk_size=64, initial
     (o, the state after the last token).
 
     In a chunk entered with state M0, let G_t = g_1 + ... + g_t and Dec[t, s] = exp(G_t - G_s) for s <= t in
-    the same document (else 0). The corrected values U (u_t = beta_t (v_t - M_{t-1}^T k_t)) solve a triangular
-    system, (I + A) U = beta V - beta exp(G) K M0 with A[t, s] = beta_t Dec[t, s] k_t.k_s for s < t, so
+    the same document (else 0). The corrected values U (u_t = beta_t (v_t - (exp(g_t) M_{t-1})^T k_t)) solve a
+    triangular system, (I + A) U = beta V - beta exp(G) K M0 with A[t, s] = beta_t Dec[t, s] k_t.k_s for s < t, so
         U = U~ - W M0,   U~ = (I + A)^-1 beta V,   W = (I + A)^-1 beta exp(G) K       (the UT transform)
         O = (exp(G) Q M0 + (Q K^T * Dec) U) / sqrt(Dk)                    (the carried state, then the chunk)
         M_next = exp(G_C) M0 + (K * exp(G_C - G))^T U                      (the state handed on)

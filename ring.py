@@ -21,8 +21,9 @@ disjoint keys combine exactly:
     lse = log(exp(lse_a) + exp(lse_b))                 the normalizer over both blocks
     o   = (exp(lse_a) o_a + exp(lse_b) o_b) / exp(lse)  each output weighted by its share of it
 
-written with sigmoids so that nothing overflows (`merge`), in float32. A row starts with no keys (lse = -inf),
-so the first block merged into it passes through exactly; every query sees at least itself, in its own block.
+written with sigmoids so that nothing overflows (`merge`), in float32 (float64 for float64 inputs). A row starts
+with no keys (lse = -inf), so the first block merged into it passes through exactly; every query sees at least
+itself, in its own block.
 
 Backward is a second ring. The gradient of the keys and values of block j collects a term from every rank's
 queries, so an accumulator for dk_j and dv_j travels with block j: each rank adds its term and passes both on,
@@ -111,17 +112,17 @@ def ring_attention(q, k, v, group=None, layout=None, window=None, causal=True, s
     token_index shard_for_sp returns, e.g. for document_layout; one more all-gather of B*L integers a call; the
     ranks' positions together must hold each position of the sequence once).
     Returns [B, L, Hq, D], and with return_lse=True also the log-sum-exp of each query's scores (and its sink)
-    [B, L, Hq] in float32 (not differentiable). window: sliding-window attention over the last `window` tokens.
-    scale: of the scores, 1/sqrt(D) by default. position_ids [B, L] (packed documents): the global positions of
-    this rank's tokens, as shard_for_sp gives them; a document starts where they are 0, and a query sees keys of
-    its own document only (one all-gather of them a call). sinks [Hq]: a learned logit per query head that joins each
-    query's softmax as a score with no value (gpt-oss's attention sinks), differentiable, merged in float32 (float64
-    for float64 inputs) whatever their dtype. fused=False computes every block with the einsum tiles (the
-    reference) instead of the fused kernel that `block_kernel` picks for the device, dtype and head size. Ranks
-    whose q, k or v differ in shape or dtype get one ValueError on every rank, naming each rank's value (one
-    all-gather of 6 numbers a call). Differentiable, and traceable by
-    torch.compile without packed documents; forward and backward each move R-1 key/value blocks per rank,
-    backward also R dk/dv blocks (in float32, or float64 for float64 inputs).
+    [B, L, Hq] in float32, float64 for float64 inputs (not differentiable). window: sliding-window attention over the
+    last `window` tokens. scale: of the scores, 1/sqrt(D) by default. position_ids [B, L] (packed documents): the
+    global positions of this rank's tokens, as shard_for_sp gives them; a document starts where they are 0, and a
+    query sees keys of its own document only (one all-gather of them a call). sinks [Hq]: a learned logit per query
+    head that joins each query's softmax as a score with no value (gpt-oss's attention sinks), differentiable,
+    merged in float32 (float64 for float64 inputs) whatever their dtype. fused=False computes every block with the
+    einsum tiles (the reference) instead of the fused kernel that `block_kernel` picks for the device, dtype and
+    head size. Ranks whose q, k or v differ in shape or dtype, or a rank whose own q, k and v do not fit together,
+    get one ValueError on every rank, naming each rank's value (one all-gather of 7 numbers a call). Differentiable,
+    and traceable by torch.compile without packed documents; forward and backward each move R-1 key/value blocks per
+    rank, backward also R dk/dv blocks (in float32, or float64 for float64 inputs).
     group=None or a group of one rank: attention over this rank's tokens alone.
     """
     R = size_and_rank(group)[0]
@@ -134,16 +135,16 @@ def ring_attention(q, k, v, group=None, layout=None, window=None, causal=True, s
                          f"tokens, as shard_for_sp returns them for packed documents, with their position_ids")
     if window and not causal:
         raise ValueError("a sliding window looks back from each query: use it with causal=True")
-    if k.shape != v.shape or q.shape[:2] != k.shape[:2] or q.shape[2] % k.shape[2]:
-        raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}: want q [B, L, Hq, D] and k, v "
-                         f"[B, L, Hkv, D] with Hq a multiple of Hkv")
+    if R > 1 and not torch.compiler.is_compiling():
+        check_same_inputs(q, k, v, group)  # before any rank refuses alone and leaves the others waiting
+    if not _fit_together(q, k, v):
+        raise ValueError(f"q {tuple(q.shape)} {q.dtype}, k {tuple(k.shape)} {k.dtype}, v {tuple(v.shape)} {v.dtype}: "
+                         f"{_WANT}")
     if sinks is not None and sinks.shape != q.shape[2:3]:
         raise ValueError(f"sinks {tuple(sinks.shape)}: want one logit per query head, [{q.shape[2]}]")
     if R > 1 and named and layout == "zigzag" and q.shape[1] % 2:
         raise ValueError(f"{q.shape[1]} tokens on this rank: zigzag holds two equal chunks, so an even number "
                          f"(shard_for_sp pads the sequence to a multiple of 2 x the SP size)")
-    if R > 1 and not torch.compiler.is_compiling():
-        check_same_inputs(q, k, group)
     indices = None if named or R == 1 else gather_ring(layout, group)  # (R, B, L): every rank's positions
     if indices is not None and not torch.compiler.is_compiling():  # every rank holds them all: all refuse alike
         _, B, L = indices.shape
@@ -684,17 +685,32 @@ def ring_bytes(R, kv_bytes, dkv_bytes):
 
 
 _DTYPES = [torch.float64, torch.float32, torch.bfloat16, torch.float16]
+_WANT = "want q [B, L, Hq, D] and k, v [B, L, Hkv, D] of one dtype, Hq a multiple of Hkv"
 
 
-def check_same_inputs(q, k, group):
-    """ValueError on every rank unless every rank of the ring holds q and k of the same batch, tokens, heads, head
-    size and dtype: the sends assume it, and a mismatch would otherwise abort the processes inside gloo. One
-    all-gather of 6 numbers."""
+def _fit_together(q, k, v):
+    """q [B, L, Hq, D], k and v [B, L, Hkv, D], of one dtype, Hq a multiple of Hkv."""
+    return (k.shape == v.shape and q.shape[:2] == k.shape[:2] and q.shape[3] == k.shape[3] and q.shape[2] % k.shape[2]
+            == 0 and q.dtype == k.dtype == v.dtype)
+
+
+def check_same_inputs(q, k, v, group):
+    """ValueError on every rank unless every rank of the ring holds q, k and v that fit together (`_fit_together`,
+    in a dtype named in _DTYPES), of the same batch, tokens, heads, head size and dtype as the other ranks': the
+    sends assume it, and a mismatch would otherwise abort the processes inside gloo, or leave them waiting for a
+    rank that stopped alone. One all-gather of 7 numbers."""
     R = size_and_rank(group)[0]
-    mine = torch.tensor([*q.shape, k.shape[2], _DTYPES.index(q.dtype)], device=q.device)  # B, L, Hq, D, Hkv, dtype
+    fit = _fit_together(q, k, v) and q.dtype in _DTYPES
+    dtype = _DTYPES.index(q.dtype) if q.dtype in _DTYPES else -1  # another dtype: unfit, refused on every rank
+    mine = torch.tensor([*q.shape, k.shape[2], dtype, fit], device=q.device)  # B, L, Hq, D, Hkv, dtype, fit
     every = [torch.empty_like(mine) for _ in range(R)]
     dist.all_gather(every, mine, group=group)
-    every = torch.stack(every).tolist()  # (R, 6)
+    every = torch.stack(every).tolist()  # (R, 7)
+    unfit = [rank for rank, row in enumerate(every) if not row[-1]]
+    if unfit:
+        mine = (f" (this rank: q {tuple(q.shape)} {q.dtype}, k {tuple(k.shape)} {k.dtype}, v {tuple(v.shape)} "
+                f"{v.dtype})" if not fit else "")
+        raise ValueError(f"q, k and v do not fit together on ring rank {', '.join(map(str, unfit))}{mine}; {_WANT}")
     for i, name in enumerate(["batch size", "tokens", "query heads", "head size", "kv heads", "dtype"]):
         values = [_DTYPES[row[i]] if name == "dtype" else row[i] for row in every]
         if len(set(values)) > 1:

@@ -215,14 +215,21 @@ def _options_rank(rank, R):
             ring.ring_attention(q, q, q, dist.group.WORLD, positions[None], position_ids=positions[None])
         except ValueError as e:
             errors.append(str(e))
+    for kv in (torch.zeros(1, 8, 2, 4 if rank == 1 else 8), torch.zeros(1, 8, 2, 8, dtype=torch.float64 if rank == 1
+                                                                          else None)):  # rank 1: k, v unlike its q
+        try:
+            ring.ring_attention(q, kv, kv, dist.group.WORLD, "zigzag")
+        except ValueError as e:
+            errors.append(str(e))
     return results, errors
 
 
 def test_ring_options_lse_and_mismatched_ranks():
     """causal=False, a softmax scale and the log-sum-exp as an output, on 3 ranks against one device in float64
     (1e-12), the fused kernel and the einsum tiles, each layout. Ranks that hold different token counts or dtypes
-    get one error on every rank naming each rank's value, never a gloo abort; a ring called without its layout
-    is refused, and so are positions that are no layout (every rank the same tokens; positions that fall)."""
+    get one error on every rank naming each rank's value, never a gloo abort, and so does a rank whose own k and v
+    do not fit its q (another head size, another dtype); a ring called without its layout is refused, and so are
+    positions that are no layout (every rank the same tokens; positions that fall)."""
     R = 3
     per_rank = run_ranks(R, _options_rank)
     for i, causal in enumerate((False, False, True, True)):
@@ -238,7 +245,13 @@ def test_ring_options_lse_and_mismatched_ranks():
             for full, part in zip(got, parts):
                 full[:, index] = part
         assert_all_close(got, want, 1e-12, 1e-12, where=f"case {i}")
-    for _, errors in per_rank:
+    for rank, (_, errors) in enumerate(per_rank):
+        unfit = [f"q, k and v do not fit together on ring rank 1{mine if rank == 1 else ''}; want q [B, L, Hq, D] and "
+                 f"k, v [B, L, Hkv, D] of one dtype, Hq a multiple of Hkv" for mine in (
+                     " (this rank: q (1, 8, 4, 8) torch.float32, k (1, 8, 2, 4) torch.float32, v (1, 8, 2, 4) "
+                     "torch.float32)",
+                     " (this rank: q (1, 8, 4, 8) torch.float32, k (1, 8, 2, 8) torch.float64, v (1, 8, 2, 8) "
+                     "torch.float64)")]
         assert errors == [
             "the ranks of the ring hold inputs of different tokens: 10 on rank 0, 12 on rank 1, 12 on rank 2; each "
             "must hold the same number of tokens of the same batch (shard_for_sp cuts them so)",
@@ -248,7 +261,7 @@ def test_ring_options_lse_and_mismatched_ranks():
             "layout=None: a ring of 3 ranks needs the layout its tokens were sharded in, 'zigzag' "
             "(ulysses.shard_for_sp with a ring group) or 'contiguous'"] + [
             "layout: the ring's 3 ranks hold positions that are not a layout of its 24 tokens: each rank's must rise "
-            "along each row, and together hold each position once (as shard_for_sp's token_index does)"] * 2
+            "along each row, and together hold each position once (as shard_for_sp's token_index does)"] * 2 + unfit
 
 
 def _large_scores(seed=2):
@@ -347,7 +360,7 @@ def test_sinks_match_one_device(P):
     """Attention sinks, output and the gradients of q, k, v and the sink logits against one device's formula (a
     softmax over the scores and the sink, the sink's column dropped): ring attention on P ranks (both layouts,
     a sliding window, packed documents, the fused kernel and the einsum tiles, compiled), ulysses_attention on P
-    ranks with ring attention of one rank as its kernel (uneven heads: 3 on 2 kv heads over 2 ranks, 8 on 2 over 3,
+    ranks with ring attention of one rank as its kernel (uneven heads: 3 on 1 kv head over 2 ranks, 8 on 2 over 3,
     6 on 2 over 4), and USP on 4 (Ulysses 2 x ring 2); float64 within 1e-12, float32 within 1e-5, bf16 within its
     rounding of the largest value, as test_kernels.py holds it (Ulysses sends a kv head's gradient back from several
     ranks, each part rounded to bf16, and adds them: without sinks too, 3 elements of 768 miss 2^-7 of their own
