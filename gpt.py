@@ -84,6 +84,9 @@ class GPTConfig:
         if not self.layer_pattern or set(self.layer_pattern) - set("ad"):
             raise ValueError(f"layer_pattern={self.layer_pattern!r}: use the letters a (softmax attention) and "
                              f"d (Gated DeltaNet), e.g. 'ddda'")
+        if len(self.layer_pattern) > self.n_layer:  # what the model holds is read off the pattern's letters
+            raise ValueError(f"layer_pattern={self.layer_pattern!r} has more letters than n_layer={self.n_layer}: "
+                             f"layer i takes letter i % {len(self.layer_pattern)}, so the last would build no layer")
 
 
 # Real models' shapes, by name (train.py --model NAME; flags given beside it change them). Llama-3-8B: 32 layers of

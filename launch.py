@@ -234,6 +234,10 @@ def check_args(args, world_size):
         fail(f"--timeout {args.timeout:g} must be at most {WEEK} seconds (a week)")
     if not 0 <= args.seed < 2**32:
         fail(f"--seed {args.seed} must be in [0, 2**32)")
+    try:
+        cfg = model_config(args)
+    except ValueError as e:
+        fail(e)
     if args.sp < 1 or world_size % args.sp:
         fail(f"--sp {args.sp} does not divide the world size {world_size}; choose --sp in {divisors(world_size)}")
     if args.seq_len < args.sp:
@@ -251,7 +255,6 @@ def check_args(args, world_size):
              f"than --n-head {args.n_head}: a rank would hold no head; choose --sp in {{{', '.join(map(str, sps))}}}"
              f"{ring_too}")
     try:
-        cfg = model_config(args)
         if "a" in args.layer_pattern:
             ulysses.head_layout(args.n_head, args.n_kv_head, args.sp // args.ring)
     except ValueError as e:
