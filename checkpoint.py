@@ -166,13 +166,14 @@ def weights(path):
     return whole(shards(path))
 
 
-def run_flags(args, world_size):
+def run_flags(args, world_size, data_sha256):
     """What a checkpoint records of the run's flags, and what a resumed run is checked against: the model's
-    shape, what fixes the sequence of batches, and what fixes the learning rate of every step."""
+    shape, what fixes the sequence of batches (the data by its bytes, data_sha256 of --data's, not by its path),
+    and what fixes the learning rate of every step."""
     global_batch = world_size // args.sp * args.batch_size * args.grad_accum
     return {"model": model_flags(args),
-            "data": {"seed": args.seed, "seq_len": args.seq_len, "global_batch": global_batch, "data": args.data,
-                     "pack": args.pack},
+            "data": {"seed": args.seed, "seq_len": args.seq_len, "global_batch": global_batch,
+                     "data": data_sha256 and f"SHA-256 {data_sha256[:16]}", "pack": args.pack},
             "schedule": {"steps": args.steps, "lr": args.lr, "warmup": args.warmup}}
 
 
@@ -180,7 +181,7 @@ def run_flags(args, world_size):
 # saving
 
 
-def save(args, step, model, zero, optimizer, world_size, rank):
+def save(args, step, model, zero, optimizer, world_size, rank, data_sha256):
     """Every rank writes its files, then a small marker naming them (or its problem), and waits on the file
     system, not in a collective, so the writing has no deadline: only a rank whose heartbeat stops for --timeout
     seconds ends the run (wait_for_markers). Once every marker is there, rank 0 writes the manifest, removes what
@@ -196,7 +197,8 @@ def save(args, step, model, zero, optimizer, world_size, rank):
                   for name, (shape, start, v) in pieces.items()}
     files = {f"shard_{rank:05d}-of-{world_size:05d}.pt": pieces}
     if rank == 0:  # every rank drew the same random numbers so far
-        files["trainer.pt"] = {"step": step, "world_size": world_size, "zero": args.zero, **run_flags(args, world_size),
+        files["trainer.pt"] = {"step": step, "world_size": world_size, "zero": args.zero,
+                               **run_flags(args, world_size, data_sha256),
                                "optimizer": optimizer_scalars(optimizer), "rng": torch.get_rng_state(),
                                "run": os.environ.get("TORCHELASTIC_RUN_ID")}
     try:
@@ -310,12 +312,12 @@ def wait_for_markers(directory, final, world_size, rank, timeout):
 # resuming
 
 
-def find(args, world_size, control, lr_at):
+def find(args, world_size, control, lr_at, data_sha256):
     """The checkpoint this run continues from: (its path, its trainer state, the seconds verifying took), or None
     to start afresh. --resume asks for one; a group that torchrun restarted (--max-restarts) takes the newest one
     of its own run by itself. A checkpoint that fails verification is reported in one line and moved aside
     (step_000020.damaged), and the next older one is tried. lr_at(step, args): the run's learning rate, to say
-    what a changed schedule would do."""
+    what a changed schedule would do. data_sha256: of --data's bytes, None for the copy task."""
     paths = checkpoints(args.out_dir) if args.out_dir else []
     for incomplete in checkpoints(args.out_dir, complete=False) if args.out_dir else []:
         fail(f"--out-dir {args.out_dir} holds {os.path.basename(incomplete)} without a {MANIFEST} (from an older "
@@ -339,7 +341,8 @@ def find(args, world_size, control, lr_at):
     for damaged in paths[:paths.index(path)] if rank == 0 else []:  # out of the way of the steps that redo them
         shutil.rmtree(damaged + ".damaged", ignore_errors=True)
         os.replace(damaged, damaged + ".damaged")
-    trainer, run = torch.load(os.path.join(path, "trainer.pt"), weights_only=True), run_flags(args, world_size)
+    trainer = torch.load(os.path.join(path, "trainer.pt"), weights_only=True)
+    run = run_flags(args, world_size, data_sha256)
     run_id = os.environ.get("TORCHELASTIC_RUN_ID")  # "none" unless torchrun has --rdzv-id (--standalone makes one)
     if not args.resume and (trainer["run"] != run_id or run_id in (None, "none")):  # another run's, or unknown
         fail(f"--out-dir {args.out_dir} already holds checkpoints of another run; add --resume to continue from "

@@ -17,8 +17,8 @@ import torch.distributed as dist
 
 import checkpoint
 import train
-from conftest import (SHORT_RUN, assert_all_close, assert_same_training, exit_statuses, run_ranks, torchrun_patched,
-                      train_rank)
+from conftest import (PARAGRAPHS, SHORT_RUN, assert_all_close, assert_same_training, exit_statuses, run_ranks,
+                      torchrun_patched, train_rank)
 
 
 RESUME_ARGS = ["--steps", "8", "--save-every", "4", "--n-layer", "2", "--n-embd", "32", "--seq-len", "32"]
@@ -145,6 +145,27 @@ def test_a_changed_schedule_is_refused_on_resume(tmp_path, one_rank, changed, ch
                                          rf"with the checkpoint's values, or add --new-schedule to accept it$"):
         train.main(resume)
     assert train.main(resume + ["--new-schedule"])[0]["step"] == 4
+
+
+def test_a_resume_notes_data_of_other_bytes(tmp_path, one_rank, capsys, text_file):
+    """A checkpoint knows its --data by its bytes (SHA-256), not by its path: resuming on a copy of the file under
+    another name says nothing, and resuming on the same path after its bytes changed notes that the steps will not
+    repeat the original run's."""
+    out_dir, copy = tmp_path / "run", tmp_path / "copy.txt"
+    train.main(SHORT_RUN + ["--out-dir", str(out_dir), "--data", str(text_file)])
+    shutil.copy(text_file, copy)
+    notes = []
+    for data, text in ((copy, None), (text_file, PARAGRAPHS.replace("ab", "ba"))):
+        if text:
+            text_file.write_text(text)
+        shutil.rmtree(out_dir / "step_000006")
+        capsys.readouterr()
+        train.main(SHORT_RUN + ["--out-dir", str(out_dir), "--data", str(data), "--resume"])
+        notes.append(re.findall(r"^note: the checkpoint was trained with .*$", capsys.readouterr().out, re.M))
+    assert notes[0] == [], notes
+    assert len(notes[1]) == 1 and re.fullmatch(r"note: the checkpoint was trained with \{.*'data': 'SHA-256 "
+                                               r"[0-9a-f]{16}'.*\}; this run has \{.*'data': 'SHA-256 [0-9a-f]{16}'"
+                                               r".*\}, so its steps will not repeat the original run's", notes[1][0])
 
 
 def test_metrics_lines_cut_short_are_dropped_on_resume(tmp_path, one_rank, capsys):

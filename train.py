@@ -78,8 +78,8 @@ def main(argv=None):
             lock = launch.agreed(control, lambda: checkpoint.lock_out_dir(args.out_dir) if rank == 0 and args.out_dir
                                  else None)
             try:
-                resume_from = checkpoint.find(args, world_size, control, lr_at)
-                return train(args, world_size, mesh, device, documents, resume_from, control)
+                resume_from = checkpoint.find(args, world_size, control, lr_at, data_sha256)
+                return train(args, world_size, mesh, device, documents, data_sha256, resume_from, control)
             finally:
                 if lock:
                     lock.close()  # releases the out-dir for the next run
@@ -133,7 +133,7 @@ def build(args, world_size, mesh, device, host=torch.device("cpu")):
     return model, zero, optimizer, n_params, step
 
 
-def train(args, world_size, mesh, device, documents, resume_from, control):
+def train(args, world_size, mesh, device, documents, data_sha256, resume_from, control):
     dp, rank = world_size // args.sp, dist.get_rank()
     model, zero, optimizer, n_params, train_on = build(args, world_size, mesh, device)
     start_step = checkpoint.restore(resume_from, model, zero, optimizer) if resume_from else 0
@@ -176,7 +176,7 @@ def train(args, world_size, mesh, device, documents, resume_from, control):
             if metrics:
                 metrics.write(history[-1])
             if args.out_dir and (step + 1 == args.steps or args.save_every and (step + 1) % args.save_every == 0):
-                checkpoint.save(args, step + 1, model, zero, optimizer, world_size, rank)
+                checkpoint.save(args, step + 1, model, zero, optimizer, world_size, rank, data_sha256)
         bar.close()
         if history:  # the summary counts the model state, the last step's gradients included
             summarize(args, history, model, optimizer, n_params, world_size, device, rank)
