@@ -161,7 +161,8 @@ class _GatherSequence(torch.autograd.Function):
         ctx.group = group
         P, (B, S_local, H, D) = dist.get_world_size(group), x.shape
         full = x.new_empty(P * B, S_local, H, D)  # rank j's tokens in rows j*B .. (j+1)*B - 1
-        all_gather(full, x.contiguous(), group=group)
+        with CopiedBytes.collective():
+            all_gather(full, x.contiguous(), group=group)
         gather_stats["bytes"] += x.nbytes * (P - 1)
         return full.view(P, B, S_local, H, D).transpose(0, 1).reshape(B, P * S_local, H, D)  # (B, S, H, D)
 
@@ -170,7 +171,8 @@ class _GatherSequence(torch.autograd.Function):
         P, (B, S, H, D) = dist.get_world_size(ctx.group), grad.shape
         mine = grad.new_empty(B, S // P, H, D)
         rows = grad.reshape(B, P, S // P, H, D).transpose(0, 1).reshape(P * B, S // P, H, D)  # rank j's: rows j*B..
-        reduce_scatter(mine, rows, group=ctx.group)
+        with CopiedBytes.collective():  # gloo copies its result into `mine` as the caller waits
+            reduce_scatter(mine, rows, group=ctx.group)
         gather_stats["bytes"] += mine.nbytes * (P - 1)
         return mine, None
 
@@ -274,11 +276,12 @@ def _attention_inputs(rank, P, S, args):
 
 class CopiedBytes(TorchDispatchMode):
     """Counts the bytes that copying ops write while it is entered (.bytes): copies and clones (what contiguous
-    and reshape make), casts, joins, gathers by index, and the backward of slicing. Sums are arithmetic, not
+    and reshape make), casts, joins, pads, gathers by index, and the backward of slicing (not writes by index into a
+    tensor in place, which return the whole tensor; no variant makes one). Sums are arithmetic, not
     copies: a kv head's gradient added up from the ranks it went to, or from the query heads it was expanded for.
-    What the collective copies inside (gloo's own block, from the send to the receive buffer) is not counted,
-    nor what a kernel copies inside its own op; an operator written in Python (ulysses' exchange) runs its code
-    under the count, so its copies count."""
+    What the collective copies inside (gloo's own block, from the send to the receive buffer; a reduce-scatter's
+    result into its output) is not counted (`collective`), nor what a kernel copies inside its own op; an operator
+    written in Python (ulysses' exchange) runs its code under the count, so its copies count."""
 
     COPYING = {torch.ops.aten.copy_.default, torch.ops.aten.clone.default, torch.ops.aten._to_copy.default,
                torch.ops.aten.cat.default, torch.ops.aten.stack.default, torch.ops.aten.index.Tensor,
@@ -286,11 +289,24 @@ class CopiedBytes(TorchDispatchMode):
                torch.ops.aten.slice_backward.default, torch.ops.aten.select_backward.default,
                torch.ops.aten.slice_scatter.default, torch.ops.aten.select_scatter.default,
                torch.ops.aten.as_strided_scatter.default, torch.ops.aten.repeat.default, torch.ops.aten.flip.default,
-               torch.ops.aten.roll.default}
+               torch.ops.aten.roll.default, torch.ops.aten.index_put.default, torch.ops.aten.scatter.src,
+               torch.ops.aten.constant_pad_nd.default, torch.ops.aten.narrow_copy.default,
+               torch.ops.aten.masked_select.default, torch.ops.aten.cat.out, torch.ops.aten.split_with_sizes_copy.default}
+    inside_collective = False
 
     def __init__(self):
         super().__init__()
         self.bytes = 0
+
+    @classmethod
+    @contextlib.contextmanager
+    def collective(cls):
+        """A collective call runs inside: what it copies is its own."""
+        before, cls.inside_collective = cls.inside_collective, True
+        try:
+            yield
+        finally:
+            cls.inside_collective = before
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         custom = _maybe_get_opdef(func)
@@ -298,7 +314,7 @@ class CopiedBytes(TorchDispatchMode):
             with self:
                 return custom._init_fn(*args, **(kwargs or {}))
         out = func(*args, **(kwargs or {}))
-        if func in self.COPYING:
+        if func in self.COPYING and not self.inside_collective:
             self.bytes += sum(t.nbytes for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor))
         return out
 

@@ -7,6 +7,7 @@ copies it counts. What `python bench.py balance` reports: per-document balance o
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 import bench
 from bench import CopiedBytes
@@ -26,10 +27,11 @@ def _baselines_rank(rank, world_size):
             q, k, v = (t.requires_grad_() for t in (q, k, v))
             ulysses.reset_all_to_all_stats()
             bench.gather_stats["bytes"] = 0
-            out = baseline(q, k, v, dist.group.WORLD)
-            out.backward(grad_out)
+            with CopiedBytes() as copied:
+                out = baseline(q, k, v, dist.group.WORLD)
+                out.backward(grad_out)
             sent = bench.gather_stats["bytes"] + sum(c["bytes"] for c in ulysses.all_to_all_stats.values())
-            results.append(((out.detach(), q.grad, k.grad, v.grad), sent))
+            results.append(((out.detach(), q.grad, k.grad, v.grad), sent, copied.bytes))
     return results
 
 
@@ -47,6 +49,9 @@ def test_benchmark_baselines_match_one_device(world_size):
         formula = {"(c)": 2 * (Hq + 2 * Hkv + Hq) * head * (P - 1) // P,  # (P-1)/P of q, k, v and out, both ways
                    "(d)": 4 * Hkv * head * (P - 1)}[name]  # k and v to every other rank, their gradients back
         assert [r[i][1] for r in per_rank] == [formula] * P, f"{name} B={B}"
+        if name == "(d)":  # B = 1: the gathered tokens land in order, and gloo's own copies are not counted; B = 2:
+            copies = 4 * Hkv * head * P  # each row's tokens put in order, of k and v and of their gradients
+            assert [r[i][2] for r in per_rank] == [copies * (B - 1)] * P, f"{name} B={B}"
 
 
 
@@ -83,8 +88,8 @@ def test_benchmark_layer_on_three_calls_matches_one_device(world_size):
 
 def test_copied_bytes_counts_copies_and_nothing_else():
     """bench.CopiedBytes, behind BENCHMARKS' copies per variant: a view, arithmetic and a matmul into a slice of a
-    buffer copy nothing; contiguous() of a transposed tensor, a cast, a join and the backward of a slice each copy
-    the bytes they write."""
+    buffer copy nothing; contiguous() of a transposed tensor, a cast, a join, the backward of a slice, a copy into a
+    buffer, a gather by index, a stack and a pad each copy the bytes they write."""
     x = torch.randn(8, 4, requires_grad=True)  # 128 bytes
     buffer = torch.empty(8, 12)
     with CopiedBytes() as nothing:
@@ -95,7 +100,12 @@ def test_copied_bytes_counts_copies_and_nothing_else():
         x.double()  # 256
         torch.cat([x, x])  # 256
         torch.autograd.grad(x[:2].sum(), x)  # the slice's backward writes all of x: 128
-    assert (nothing.bytes, copies.bytes, y.shape) == (0, 128 + 256 + 256 + 128, (16, 2))
+        buffer[:, :4].copy_(x)  # 128
+        x[torch.tensor([1, 3, 5])]  # 48
+        torch.stack([x, x])  # 256
+        F.pad(x, (0, 1))  # 8 x 5: 160
+    assert (nothing.bytes, y.shape) == (0, (16, 2))
+    assert copies.bytes == 128 + 256 + 256 + 128 + 128 + 48 + 256 + 160
 
 
 def test_document_layout_balances_a_long_document():

@@ -4,6 +4,7 @@ ends with it, those its processes started in sessions of their own (as torchrun 
 """
 
 import os
+import re
 import sys
 
 from conftest import HERE, run
@@ -56,11 +57,13 @@ def test_a_hanging_test_fails_at_its_limit_and_its_processes_end(tmp_path):
     pids = tmp_path / "pids"
     pids.mkdir()
     status, output, _ = run([sys.executable, "-m", "pytest", "-p", "conftest", "-p", "no:cacheprovider", "-q",
-                             "test_hanging.py"], cwd=tmp_path, timeout=60,
+                             "--durations=0", "test_hanging.py"], cwd=tmp_path, timeout=60,
                             env=dict(os.environ, PYTHONPATH=HERE, PIDS=str(pids)))
     assert status == 1 and "2 failed, 1 passed" in output, output[-3000:]
     for name in ("test_ranks_that_hang", "test_a_launcher_whose_worker_hangs"):
         assert f"{name} ran past its limit of 2 s; its processes are ended" in output, output[-3000:]
+        seconds = float(re.search(rf"^([\d.]+)s call +test_hanging.py::{name}$", output, re.M).group(1))
+        assert 2 <= seconds < 6, (name, seconds)  # failed at its limit, its processes ended at once
     started = sorted(os.listdir(pids))
     assert started == ["launcher", "rank_0", "rank_1", "worker"], started
     for name in started:

@@ -22,7 +22,8 @@ def test_copy_task_samples_depend_only_on_seed_and_index():
     assert not torch.equal(tokens, data.make_sample(6, 33, seed=1)[0])
     n = (33 + 2) // 2  # the random block; the copy starts right after it
     assert torch.equal(tokens[n:], tokens[:33 - n]) and torch.equal(position_ids, torch.arange(33))
-    assert (labels[:n - 1] == -100).all() and torch.equal(labels[n - 1:-1], tokens[n:])  # only the copy is scored
+    copy_labels = [tokens[(i + 1) % n].item() for i in range(n - 1, 33)]  # the next token, the 34th drawn too
+    assert torch.equal(labels, torch.tensor([-100] * (n - 1) + copy_labels))  # only the copy is scored
     drawn = [i for micro in range(2) for dp_rank in range(3)
              for i in data.micro_batch_indices(4, micro, grad_accum=2, dp_rank=dp_rank, dp=3, batch_size=5)]
     assert sorted(drawn) == list(range(4 * 30, 5 * 30))
@@ -61,6 +62,15 @@ def test_text_samples_are_windows_or_paragraphs(tmp_path):
     tokens, labels, position_ids = data.make_sample(3, 64, data.read_documents(text, pack=False, seq_len=64))
     start = raw.find(bytes(tokens.tolist()))
     assert start >= 0 and bytes(labels.tolist()) == raw[start + 1:start + 65]  # shifted by one, never past
+    short = tmp_path / "short.txt"  # 80 bytes: a window of 64 starts at one of 0 to 15, its labels end by byte 80
+    short.write_bytes(raw[:80])
+    documents, starts = data.read_documents(short, pack=False, seq_len=64), set()
+    for index in range(200):
+        tokens, labels, _ = data.make_sample(index, 64, documents)
+        start = raw.find(bytes(tokens.tolist()))
+        assert len(labels) == 64 and bytes(labels.tolist()) == raw[start + 1:start + 65], index
+        starts.add(start)
+    assert starts == set(range(16)), sorted(starts)  # anywhere, to the last window whose labels the text holds
     documents = data.read_documents(text, pack=True, seq_len=64)
     assert len(documents) == 40 and bytes(documents[0].tolist()).startswith(b"paragraph 0: ")
     tokens, labels, position_ids = data.make_sample(0, 64, documents, pack=True)
