@@ -72,15 +72,19 @@ def _assert_predicted(argv, world_size, measured, error=PREDICTION_ERROR):
     assert abs(predicted / measured - 1) < error, (argv, world_size, predicted, measured)
 
 
-MEMORY_RUNS = {1: [["--seq-len", "1024"], ["--seq-len", "4096", "--tiles", "4", "--recompute"]],
-               2: [["--seq-len", "4096"], ["--seq-len", "1024", "--tiles", "4", "--recompute"]],
+MEMORY_RUNS = {1: [["--seq-len", "1024"], ["--seq-len", "4096", "--tiles", "4", "--recompute"],
+                   ["--seq-len", "2048", "--window", "64"]],
+               2: [["--seq-len", "4096"], ["--seq-len", "1024", "--tiles", "4", "--recompute"],
+                   ["--seq-len", "2048", "--window", "64", "--dtype", "bfloat16"]],
                4: [["--seq-len", "4096", "--recompute"], ["--seq-len", "4096", "--tiles", "4"]]}
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 4])
 def test_memory_prediction_is_within_8_percent(world_size):
     """train.py's predicted peak per rank against the peak it measures, for sp 1, 2 and 4, with and without
-    tiles and recomputation, at 1k and 4k tokens (configurations of BENCHMARKS.md's memory table)."""
+    tiles and recomputation, at 1k and 4k tokens (configurations of BENCHMARKS.md's memory table), and with a
+    sliding window, whose [S, S] mask SDPA keeps for backward, a layer's in the compute dtype (left out, the
+    predictions came out 37% and 44% under)."""
     for argv, measured in zip(MEMORY_RUNS[world_size], _measured_peaks(world_size, MEMORY_RUNS[world_size])):
         _assert_predicted(argv, world_size, measured)
 
