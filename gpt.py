@@ -23,7 +23,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 
 from deltanet import GatedDeltaNet, gated_delta_net
-from ring import ring_attention, ring_bytes
+from ring import gather_ring, ring_attention, ring_bytes, token_index as ring_index
 from tiled import at_least_float32, tiled_lm_loss, tiled_mlp
 from ulysses import (all_to_all_bytes, attention_layer, causal_attention, check_shards, document_attention,
                      gather_sequence, head_layout, kernel_kv_heads, rope_cos_sin, sliding_window_attention,
@@ -246,7 +246,8 @@ class GPT(nn.Module):
         """idx, position_ids, labels: [B, S_local], this rank's tokens. position_ids are positions in the full
         sequence, or, with packed=True, in each document (0 where a document starts, and only there).
         token_index [B, S_local]: where each token sits in the full sequence, as shard_for_sp returns it; with
-        packed documents the ring takes it as its layout (zigzag or per document), else zigzag is assumed."""
+        packed documents the ring takes it as its layout (zigzag, or per document where no layer is Gated DeltaNet),
+        else zigzag is assumed."""
         if position_ids.shape != idx.shape:  # RoPE would broadcast one against the other, or fail far from here
             raise ValueError(f"GPT.forward: idx {tuple(idx.shape)}, position_ids {tuple(position_ids.shape)}: want "
                              f"position_ids of idx's shape, [B, S_local]")
@@ -257,6 +258,14 @@ class GPT(nn.Module):
         full_positions = gather_sequence(position_ids, self.sp_group) if packed else None
         given = packed and token_index is not None and self.ring_group is not None  # shard_for_sp's layout
         layout = gather_sequence(token_index, self.sp_group) if given else "zigzag"  # of my ring rank's tokens
+        if given and any(block.kind == "d" for block in self.blocks):  # their context-parallel state runs in zigzag
+            every = gather_ring(layout, self.ring_group)  # (R, B, U L): every ring rank's, so all decide alike
+            zigzag = torch.stack([ring_index("zigzag", r, len(every), every.shape[2]) for r in range(len(every))])
+            if not torch.equal(every, zigzag[:, None].expand_as(every)):  # (R, U L) -> (R, B, U L)
+                raise ValueError("GPT.forward: token_index lays the tokens out in another order than zigzag (as "
+                                 "ring.document_layout does), which Gated DeltaNet layers do not take under a ring: "
+                                 "their state passes from rank to rank in the zigzag order; shard with the default "
+                                 "layout")
         ring = partial(ring_attention, group=self.ring_group, layout=layout, window=window or None,  # shard_for_sp's
                        position_ids=full_positions)  # with a ring: the positions of my ring rank's tokens
         # the ring's kernel takes attention sinks, SDPA's and flash-attn's do not: with sinks, a ring of one rank

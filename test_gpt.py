@@ -11,8 +11,10 @@ import torch
 import torch.distributed as dist
 
 import data
+import ring
 import ulysses
-from conftest import DOC_LENGTHS, assert_all_close, grads, packed_batch, run_ranks, summed, whole_sequence, zero_batch
+from conftest import (DOC_LENGTHS, assert_all_close, grads, packed_batch, run_ranks, summed, usp_groups, whole_sequence,
+                      zero_batch)
 from gpt import GPT, GPTConfig
 
 
@@ -94,6 +96,38 @@ def test_packed_documents_under_sp(world_size, pattern):
             else:
                 torch.testing.assert_close(changed[row, span], logits[row, span], rtol=0, atol=1e-5)
             offset += DOC_LENGTHS[d]
+
+
+def _document_layout_rank(rank, world_size):
+    """A packed batch over a ring of 2 in the per-document layout, into a model with a Gated DeltaNet layer (the
+    context way, which runs beside a ring) and into one without: the error, and the logits."""
+    ring.MIN_CHUNK = 1  # documents of a few tokens are shared out too
+    groups = usp_groups(1, 2)
+    inputs, _, position_ids, index = ulysses.shard_for_sp(*packed_batch(), *groups, ring.document_layout)
+    results = []
+    for pattern in ("da", "a"):
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(n_layer=2, n_head=4, n_kv_head=2, n_embd=32, layer_pattern=pattern,
+                              gdn_parallel="context"), *groups)
+        try:
+            results.append((index, model(inputs, position_ids, packed=True, token_index=index).detach()))
+        except ValueError as e:
+            results.append(str(e))
+    return results
+
+
+def test_gated_deltanet_refuses_the_per_document_layout():
+    """Under a ring, Gated DeltaNet's context-parallel state passes from rank to rank in the zigzag order, so a
+    model with such a layer refuses tokens laid out per document on every rank (it computed wrong logits before,
+    0.12 off); softmax attention alone takes them and equals one device."""
+    per_rank = run_ranks(2, _document_layout_rank)
+    for refused, _ in per_rank:
+        assert refused.startswith("GPT.forward: token_index lays the tokens out in another order than zigzag"), refused
+    logits = whole_sequence([r[1][1] for r in per_rank], [r[1][0] for r in per_rank])
+    inputs, _, position_ids = packed_batch()
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=2, n_head=4, n_kv_head=2, n_embd=32, layer_pattern="a", gdn_parallel="context"))
+    torch.testing.assert_close(logits, model(inputs, position_ids, packed=True).detach(), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("pattern", ["a", "da"])

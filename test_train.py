@@ -241,12 +241,12 @@ def test_torchrun_train_exits_zero(tmp_path):
 # --gdn-parallel context trains as one process does
 
 HYBRID = TRAIN_ARGS + ["--seq-len", "61", "--lr", "5e-4"] + GDN_SHAPE  # 61: padded to the multiple of sp (2 sp)
-MODELS = {"dda": ["--layer-pattern", "dda", "--n-layer", "3"], "ddda packed": ["--layer-pattern", "ddda", "--pack"]}
+MODELS = {"dda": ["--layer-pattern", "dda", "--n-layer", "3"], "da packed": ["--layer-pattern", "da", "--pack"]}
 CONTEXT_LAYOUTS = [  # (model, layout)
     ("dda", ["--sp", "4", "--batch-size", "8"]),
     ("dda", ["--sp", "4", "--ring", "2", "--batch-size", "8"]),  # USP for the a layers, context over all 4 for d
     ("dda", ["--sp", "2", "--batch-size", "4", "--zero", "0"]),
-    ("ddda packed", ["--sp", "4", "--batch-size", "8"]),
+    ("da packed", ["--sp", "4", "--batch-size", "8"]),
 ]
 
 
