@@ -190,11 +190,12 @@ def efficient_backward(grad_out_, query, key, value, attn_bias, out, logsumexp, 
 
 def cuda_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
     """F.scaled_dot_product_attention as CUDA runs it: grouped-query attention only in its flash kernel (fp16 or bf16,
-    no mask); elsewhere the math kernel, which holds every score. On an H100: float32 and GQA held 82 MiB for 32 MiB
+    no mask, heads of at most 256); elsewhere the math kernel, which holds every score. On an H100: float32 and GQA held 82 MiB for 32 MiB
     of scores; bf16 without a mask, 1 MiB."""
     if enable_gqa and query.shape[1] != key.shape[1]:
-        need(query.dtype in SIXTEEN_BIT and attn_mask is None, "grouped-query attention in fp16/bf16 without a mask, "
-             "else SDPA's math kernel holds the [B, Hq, S, S] scores")
+        need(query.dtype in SIXTEEN_BIT and attn_mask is None and query.shape[-1] <= 256, "grouped-query attention "
+             "in fp16/bf16 without a mask and heads of at most 256, else SDPA's math kernel holds the [B, Hq, S, S] "
+             "scores")
     wide = (t.to(torch.promote_types(t.dtype, torch.float32)) for t in (query, key, value))  # CUDA's accumulate so
     out = cpu_sdpa(*wide, attn_mask=attn_mask, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
     return out.to(query.dtype)
@@ -215,7 +216,8 @@ def on_cuda(patch, flash_attn_version=(2, 8)):
                                                                                      flash_attn_version))
     patch(ulysses, "use_flash_attn", lambda device, dtype, head_dim: choose_flash_attn("cuda", dtype, head_dim,
                                                                                         flash_attn_version))
-    patch(ulysses, "sdpa_takes_groups", lambda device, dtype, masked: choose_sdpa_groups("cuda", dtype, masked))
+    patch(ulysses, "sdpa_takes_groups", lambda device, dtype, masked, head_dim: choose_sdpa_groups("cuda", dtype,
+                                                                                                  masked, head_dim))
     patch(ring, "flash_attn_interface", SimpleNamespace(_flash_attn_forward=flash_attn_forward,
                                                         _flash_attn_backward=flash_attn_backward))
     patch(ulysses, "flash_attn_func", flash_attn_func)
@@ -248,9 +250,10 @@ def test_kernel_choice():
                                                        ("cuda", bf16, 320, (2, 8)), ("cuda", bf16, 64, (2, 6)),
                                                        ("cuda", fp32, 64, (2, 8)), ("cpu", bf16, 64, (2, 8)),
                                                        ("cuda", bf16, 64, None))] == [True, True] + [False] * 5
-    assert [ulysses.sdpa_takes_groups(*case) for case in (("cpu", fp32, True), ("cuda", bf16, False),
-                                                          ("cuda", bf16, True), ("cuda", fp32, False))] == [
-        True, True, False, False]
+    assert [ulysses.sdpa_takes_groups(*case) for case in (("cpu", fp32, True, 320), ("cuda", bf16, False, 256),
+                                                          ("cuda", bf16, True, 64), ("cuda", fp32, False, 64),
+                                                          ("cuda", bf16, False, 264))] == [True, True, False, False,
+                                                                                           False]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -371,7 +374,8 @@ def test_usp_through_the_cuda_kernels():
 ULYSSES_CASES = [((2, 8), torch.bfloat16, 8, None, False), ((2, 8), torch.bfloat16, 12, 5, False),
                  ((2, 8), torch.float16, 12, None, True), ((2, 7), torch.bfloat16, 12, 5, True),
                  (None, torch.float32, 8, None, False), (None, torch.bfloat16, 8, 5, False),
-                 (None, torch.float32, 12, 5, True), (None, torch.bfloat16, 8, None, True)]
+                 (None, torch.float32, 12, 5, True), (None, torch.bfloat16, 8, None, True),
+                 (None, torch.float16, 264, None, False)]
 
 
 @pytest.mark.parametrize("case", ULYSSES_CASES, ids=lambda case: "-".join(map(str, case)))

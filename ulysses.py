@@ -564,19 +564,21 @@ def _sdpa(q, k, v, attn_mask=None, is_causal=False):
     kernel (`sdpa_takes_groups`); elsewhere k and v go in expanded to one head per query head."""
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, S, H, D) -> (B, H, S, D), SDPA's layout
     groups = q.shape[1] // k.shape[1]
-    if groups > 1 and not sdpa_takes_groups(q.device.type, q.dtype, attn_mask is not None):
+    if groups > 1 and not sdpa_takes_groups(q.device.type, q.dtype, attn_mask is not None, q.shape[-1]):
         k, v = (t.repeat_interleave(groups, dim=1) for t in (k, v))  # (B, Hkv, S, D) -> (B, Hq, S, D)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal,
                                          enable_gqa=k.shape[1] != q.shape[1])
     return out.transpose(1, 2)  # (B, H, S, D) -> (B, S, H, D)
 
 
-def sdpa_takes_groups(device_type, dtype, masked):
+def sdpa_takes_groups(device_type, dtype, masked, head_dim):
     """Whether SDPA runs grouped-query attention (fewer kv heads than query heads) in a fused kernel. On CPU it
-    does. On CUDA only its flash kernel does, for fp16 and bf16 without a mask; float32 or a mask send it to the
-    math kernel, which holds every score, [B, Hq, S, S] (an H100 with torch 2.11: 82 MiB for 32 MiB of float32
-    scores), so there k and v are expanded first, and the memory-efficient kernel takes them."""
-    return device_type == "cpu" or (device_type == "cuda" and dtype in (torch.float16, torch.bfloat16) and not masked)
+    does. On CUDA only its flash kernel does, for fp16 and bf16 without a mask and heads of at most 256; float32, a
+    mask or larger heads send it to the math kernel, which holds every score, [B, Hq, S, S] (an H100 with torch
+    2.11: 82 MiB for 32 MiB of float32 scores), so there k and v are expanded first, and the memory-efficient
+    kernel takes them."""
+    return device_type == "cpu" or (device_type == "cuda" and dtype in (torch.float16, torch.bfloat16) and not masked
+                                    and head_dim <= 256)
 
 
 def sliding_window_attention(q, k, v, window):
