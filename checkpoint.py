@@ -36,11 +36,12 @@ import shutil
 import socket
 import time
 from contextlib import suppress
+from functools import partial
 
 import torch
 from tqdm import tqdm
 
-from launch import Mistake, fail, gathered, model_flags, repeating, stop_on
+from launch import Mistake, agreed, fail, gathered, model_flags, repeating, stop_on
 
 MANIFEST = "manifest.json"
 
@@ -312,23 +313,36 @@ def wait_for_markers(directory, final, world_size, rank, timeout):
 # resuming
 
 
-def find(args, world_size, control, lr_at, data_sha256):
-    """The checkpoint this run continues from: (its path, its trainer state, the seconds verifying took), or None
-    to start afresh. --resume asks for one; a group that torchrun restarted (--max-restarts) takes the newest one
-    of its own run by itself. A checkpoint that fails verification is reported in one line and moved aside
-    (step_000020.damaged), and the next older one is tried. lr_at(step, args): the run's learning rate, to say
-    what a changed schedule would do. data_sha256: of --data's bytes, None for the copy task."""
+def to_resume_from(args):
+    """The complete checkpoints in --out-dir, newest first, once this rank's view of it allows the run's flags (a
+    Mistake otherwise)."""
     paths = checkpoints(args.out_dir) if args.out_dir else []
     for incomplete in checkpoints(args.out_dir, complete=False) if args.out_dir else []:
         fail(f"--out-dir {args.out_dir} holds {os.path.basename(incomplete)} without a {MANIFEST} (from an older "
              f"train.py, or a copy cut short); move it out of the directory")
     if args.resume and not paths:
         fail(f"--resume: no complete checkpoint in --out-dir {args.out_dir}")
-    if not paths:
-        return None
-    if not (args.resume or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0):
+    if paths and not (args.resume or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0):
         fail(f"--out-dir {args.out_dir} already holds checkpoints; add --resume to continue from "
              f"{os.path.basename(paths[0])}, or choose another directory")
+    return paths
+
+
+def find(args, world_size, control, lr_at, data_sha256):
+    """The checkpoint this run continues from: (its path, its trainer state, the seconds verifying took), or None
+    to start afresh. --resume asks for one; a group that torchrun restarted (--max-restarts) takes the newest one
+    of its own run by itself. A checkpoint that fails verification is reported in one line and moved aside
+    (step_000020.damaged), and the next older one is tried. lr_at(step, args): the run's learning rate, to say
+    what a changed schedule would do. data_sha256: of --data's bytes, None for the copy task."""
+    paths = agreed(control, partial(to_resume_from, args))  # each rank reads the directory: a mistake stops all
+    every = gathered(control, [os.path.basename(path) for path in paths])
+    if any(theirs != every[0] for theirs in every):
+        fail(f"the ranks see other checkpoints in --out-dir {args.out_dir}: {every[0]} on rank 0, "
+             f"{next(theirs for theirs in every if theirs != every[0])} on rank "
+             f"{next(r for r, theirs in enumerate(every) if theirs != every[0])}; --out-dir must be one directory "
+             f"that every rank sees, on a file system the nodes share")
+    if not paths:
+        return None
     rank, t0 = int(os.environ.get("RANK", 0)), time.perf_counter()
     for path in paths:
         problems = [p for p in gathered(control, verify(path, rank, world_size)) if p]

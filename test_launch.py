@@ -9,6 +9,7 @@ import fcntl
 import io
 import os
 import re
+import shutil
 import signal
 import sys
 import time
@@ -226,6 +227,25 @@ def test_an_out_dir_in_use_on_one_node_fails_both_nodes(tmp_path):
     (status0, output0), (status1, _) = nodes
     assert status0 != 0 and status1 != 0 and seconds < 30, output0[-3000:]
     assert output0.count("train.py: error: rank 0: --out-dir run is in use by another run") == 1, output0[-3000:]
+
+
+@pytest.mark.parametrize("node1", ["none", "older"])
+def test_checkpoints_that_one_node_lacks_fail_both_nodes(tmp_path, one_rank, node1):
+    """Checkpoints of steps 1 and 2 in node 0's out-dir, none or only the older one in node 1's (a directory the
+    nodes do not share): with --resume, one line on both nodes, never a traceback from a rank left in a collective
+    by the other's refusal."""
+    train.main(["--n-embd", "32", "--seq-len", "32", "--steps", "2", "--save-every", "1", "--out-dir",
+                str(tmp_path / "node0" / "run")])
+    if node1 == "older":
+        shutil.copytree(tmp_path / "node0" / "run" / "step_000001", tmp_path / "node1" / "run" / "step_000001")
+    nodes, seconds = _two_nodes(tmp_path, ["--out-dir", "run", "--steps", "3", "--resume"])
+    line = {"none": "train.py: error: rank 1: --resume: no complete checkpoint in --out-dir run",
+            "older": "train.py: error: the ranks see other checkpoints in --out-dir run: ['step_000002', "
+                     "'step_000001'] on rank 0, ['step_000001'] on rank 1; --out-dir must be one directory that "
+                     "every rank sees, on a file system the nodes share"}[node1]
+    for status, output in nodes[:1] if node1 == "older" else nodes:  # a mistake every rank finds: rank 0 says it
+        assert status != 0 and output.count(line) == 1, output[-3000:]
+    assert all(status != 0 and f'File "{HERE}' not in output for status, output in nodes) and seconds < 30, nodes
 
 
 def test_a_flag_mistake_fails_both_nodes(tmp_path):
