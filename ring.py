@@ -690,8 +690,8 @@ _WANT = "want q [B, L, Hq, D] and k, v [B, L, Hkv, D] of one dtype, Hq a multipl
 
 def _fit_together(q, k, v):
     """q [B, L, Hq, D], k and v [B, L, Hkv, D], of one dtype, Hq a multiple of Hkv."""
-    return (k.shape == v.shape and q.shape[:2] == k.shape[:2] and q.shape[3] == k.shape[3] and q.shape[2] % k.shape[2]
-            == 0 and q.dtype == k.dtype == v.dtype)
+    return (q.dim() == k.dim() == 4 and k.shape == v.shape and q.shape[:2] == k.shape[:2] and q.shape[3] == k.shape[3]
+            and k.shape[2] > 0 and q.shape[2] % k.shape[2] == 0 and q.dtype == k.dtype == v.dtype)
 
 
 def check_same_inputs(q, k, v, group):
@@ -701,8 +701,9 @@ def check_same_inputs(q, k, v, group):
     rank that stopped alone. One all-gather of 7 numbers."""
     R = size_and_rank(group)[0]
     fit = _fit_together(q, k, v) and q.dtype in _DTYPES
-    dtype = _DTYPES.index(q.dtype) if q.dtype in _DTYPES else -1  # another dtype: unfit, refused on every rank
-    mine = torch.tensor([*q.shape, k.shape[2], dtype, fit], device=q.device)  # B, L, Hq, D, Hkv, dtype, fit
+    sizes = [*q.shape, k.shape[2]] if fit else [-1] * 5  # unfit: refused on every rank below
+    dtype = _DTYPES.index(q.dtype) if q.dtype in _DTYPES else -1
+    mine = torch.tensor([*sizes, dtype, fit], device=q.device)  # B, L, Hq, D, Hkv, dtype, fit
     every = [torch.empty_like(mine) for _ in range(R)]
     dist.all_gather(every, mine, group=group)
     every = torch.stack(every).tolist()  # (R, 7)

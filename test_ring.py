@@ -216,7 +216,8 @@ def _options_rank(rank, R):
         except ValueError as e:
             errors.append(str(e))
     for kv in (torch.zeros(1, 8, 2, 4 if rank == 1 else 8), torch.zeros(1, 8, 2, 8, dtype=torch.float64 if rank == 1
-                                                                          else None)):  # rank 1: k, v unlike its q
+                                                                          else None),
+               torch.zeros(1, 8, 2, *([] if rank == 1 else [8]))):  # rank 1: k, v unlike its q
         try:
             ring.ring_attention(q, kv, kv, dist.group.WORLD, "zigzag")
         except ValueError as e:
@@ -228,7 +229,7 @@ def test_ring_options_lse_and_mismatched_ranks():
     """causal=False, a softmax scale and the log-sum-exp as an output, on 3 ranks against one device in float64
     (1e-12), the fused kernel and the einsum tiles, each layout. Ranks that hold different token counts or dtypes
     get one error on every rank naming each rank's value, never a gloo abort, and so does a rank whose own k and v
-    do not fit its q (another head size, another dtype); a ring called without its layout is refused, and so are
+    do not fit its q (another head size, another dtype, three dimensions); a ring called without its layout is refused, and so are
     positions that are no layout (every rank the same tokens; positions that fall)."""
     R = 3
     per_rank = run_ranks(R, _options_rank)
@@ -251,7 +252,9 @@ def test_ring_options_lse_and_mismatched_ranks():
                      " (this rank: q (1, 8, 4, 8) torch.float32, k (1, 8, 2, 4) torch.float32, v (1, 8, 2, 4) "
                      "torch.float32)",
                      " (this rank: q (1, 8, 4, 8) torch.float32, k (1, 8, 2, 8) torch.float64, v (1, 8, 2, 8) "
-                     "torch.float64)")]
+                     "torch.float64)",
+                     " (this rank: q (1, 8, 4, 8) torch.float32, k (1, 8, 2) torch.float32, v (1, 8, 2) "
+                     "torch.float32)")]
         assert errors == [
             "the ranks of the ring hold inputs of different tokens: 10 on rank 0, 12 on rank 1, 12 on rank 2; each "
             "must hold the same number of tokens of the same batch (shard_for_sp cuts them so)",

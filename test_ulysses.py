@@ -385,7 +385,8 @@ def test_shards_of_different_lengths_are_refused():
 
 def _mismatched_inputs_rank(rank, world_size):
     """ulysses_attention where rank 1 passes one token more, q of another dtype, one query head more, v of another
-    dtype than its q and k, k of another head size than its q, or q, k and v of a dtype the check does not know."""
+    dtype than its q and k, k of another head size than its q, q, k and v of a dtype the check does not know, or k
+    and v of three dimensions."""
     messages = []
     for tokens, dtype, heads, v_dtype, k_size in ((4 + rank, torch.float32, 4, None, 8),
                                                   (4, (torch.float32, torch.float64)[rank], 4, None, 8),
@@ -398,12 +399,18 @@ def _mismatched_inputs_rank(rank, world_size):
             ulysses.ulysses_attention(q, k, v.to(v_dtype or dtype), dist.group.WORLD)
         except ValueError as e:
             messages.append(str(e))
+    q, k, v = (torch.randn(2, 4, h, 8) for h in (4, 2, 2))
+    try:  # rank 1: k and v [B, S/P, Hkv], no head size to read
+        ulysses.ulysses_attention(q, *((k[..., 0], v[..., 0]) if rank else (k, v)), dist.group.WORLD)
+    except ValueError as e:
+        messages.append(str(e))
     return messages
 
 
 def test_ranks_that_pass_different_inputs_are_refused():
     """Ranks whose q, k, v differ in tokens, dtype or heads, or a rank whose own q, k, v do not fit together (v's
-    dtype, k's head size, a dtype it does not know): one error on every rank naming what is wrong and where, never
+    dtype, k's head size, a dtype it does not know, k and v of three dimensions): one error on every rank naming
+    what is wrong and where, never
     an abort inside gloo nor ranks left waiting in the all-to-all for the one that stopped."""
     for rank, messages in enumerate(run_ranks(2, _mismatched_inputs_rank)):
         differ = [f"ulysses_attention: the ranks of the SP group pass q, k, v of different {what}, {values} by rank; "
@@ -418,7 +425,8 @@ def test_ranks_that_pass_different_inputs_are_refused():
                      " (this rank: q (2, 4, 4, 8) torch.float32, k (2, 4, 2, 16) torch.float32, v (2, 4, 2, 8) "
                      "torch.float32)",
                      " (this rank: q (2, 4, 4, 8) torch.complex64, k (2, 4, 2, 8) torch.complex64, v (2, 4, 2, 8) "
-                     "torch.complex64)")]
+                     "torch.complex64)",
+                     " (this rank: q (2, 4, 4, 8) torch.float32, k (2, 4, 2) torch.float32, v (2, 4, 2) torch.float32)")]
         assert messages == differ + unfit
 
 
