@@ -102,12 +102,13 @@ def predict_memory(cfg, tokens, batch, sp, ring_size, world_size, zero, cuda, bf
     # which without all-to-alls is the kernel's output itself, but keeps the whole qkv output alive (v is a view of
     # it) beside the rotated q and k; the all-to-alls make new tensors of them all
     attention = (q + 2 * kv) + q + H + (q + kv if U == 1 else h)
-    # a window without flash-attn (and without the ring's kernel, which takes sinks, or packed documents): SDPA gets
-    # an [S, S] mask, one for the batch, and keeps it for backward in the compute dtype
+    # a window without flash-attn (and without the ring's kernel, which takes sinks): SDPA gets an [S, S] mask, one
+    # for the batch, and keeps it for backward in the compute dtype; packed documents, one [n, n] a document, at most
+    # [S, S] a row (a document as long as the sequence)
     S = tokens // batch * U  # the tokens of a sequence the kernel sees
-    masked = (cfg.window and ring_size == 1 and not cfg.sinks and not packed and
+    masked = (cfg.window and ring_size == 1 and not cfg.sinks and
               not ulysses.use_flash_attn("cuda" if cuda else "cpu", torch.bfloat16 if bf16 else torch.float32, D))
-    attention += S * S / tokens if masked else 0
+    attention += S * S * (batch if packed else 1) / tokens if masked else 0
     # a ring's backward holds dq in float32 (in bf16 also float32 copies of q, of the output's gradient and of the
     # output); the key/value block and the one arriving, three float32 dk/dv accumulators (this step's, the one
     # arriving, the one still being sent), and in bf16 the block's keys and values in float32. The fused block

@@ -584,8 +584,9 @@ def sdpa_takes_groups(device_type, dtype, masked, head_dim):
 def sliding_window_attention(q, k, v, window):
     """Sliding-window causal attention: token i sees tokens i-window+1 .. i. Same layout as causal_attention.
     It is not dense causal attention, yet ulysses_attention runs it unchanged: the wrapper only moves heads. Without
-    flash-attn SDPA takes the window as an [S, S] mask: a byte a query-key pair, and every pair computed (the ring's
-    tiles, ring.ring_attention(q, k, v, window=...), hold a query tile's scores at most)."""
+    flash-attn SDPA takes the window as an [S, S] mask, which it keeps for backward in q's dtype (4 bytes a
+    query-key pair in float32, 2 in bf16), and computes every pair (the ring's tiles, ring.ring_attention(q, k, v,
+    window=...), hold a query tile's scores at most)."""
     if use_flash_attn(q.device.type, q.dtype, q.shape[-1]):
         return flash_attn_func(q, k, v, causal=True, window_size=(window - 1, 0))
     S = q.shape[1]
@@ -597,7 +598,8 @@ def document_attention(q, k, v, position_ids, window=None):
     """Causal (or sliding-window) attention inside each document of a packed sequence, never across documents.
     position_ids [B, S] are the positions of the FULL sequence; a document starts wherever they are 0. On CUDA
     with flash-attn one variable-length kernel call covers all documents; otherwise SDPA runs per document,
-    so memory grows with the longest document, never as S^2."""
+    so memory grows with the longest document, never as S^2 (with a window, each document's [n, n] mask is kept
+    for backward)."""
     B, S, Hq, D = q.shape
     cu_seqlens = document_bounds(position_ids == 0)  # (documents + 1,)
     if use_flash_attn(q.device.type, q.dtype, D):
