@@ -291,7 +291,8 @@ class CopiedBytes(TorchDispatchMode):
                torch.ops.aten.as_strided_scatter.default, torch.ops.aten.repeat.default, torch.ops.aten.flip.default,
                torch.ops.aten.roll.default, torch.ops.aten.index_put.default, torch.ops.aten.scatter.src,
                torch.ops.aten.constant_pad_nd.default, torch.ops.aten.narrow_copy.default,
-               torch.ops.aten.masked_select.default, torch.ops.aten.cat.out, torch.ops.aten.split_with_sizes_copy.default}
+               torch.ops.aten.masked_select.default, torch.ops.aten.cat.out,
+               torch.ops.aten.split_with_sizes_copy.default}
     inside_collective = False
 
     def __init__(self):

@@ -336,11 +336,10 @@ def find(args, world_size, control, lr_at, data_sha256):
     what a changed schedule would do. data_sha256: of --data's bytes, None for the copy task."""
     paths = agreed(control, partial(to_resume_from, args))  # each rank reads the directory: a mistake stops all
     every = gathered(control, [os.path.basename(path) for path in paths])
-    if any(theirs != every[0] for theirs in every):
-        fail(f"the ranks see other checkpoints in --out-dir {args.out_dir}: {every[0]} on rank 0, "
-             f"{next(theirs for theirs in every if theirs != every[0])} on rank "
-             f"{next(r for r, theirs in enumerate(every) if theirs != every[0])}; --out-dir must be one directory "
-             f"that every rank sees, on a file system the nodes share")
+    other = next((r for r, theirs in enumerate(every) if theirs != every[0]), None)
+    if other is not None:
+        fail(f"the ranks see other checkpoints in --out-dir {args.out_dir}: {every[0]} on rank 0, {every[other]} on "
+             f"rank {other}; --out-dir must be one directory that every rank sees, on a file system the nodes share")
     if not paths:
         return None
     rank, t0 = int(os.environ.get("RANK", 0)), time.perf_counter()

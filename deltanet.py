@@ -73,8 +73,9 @@ o_t = o_t(from 0) + s^T (T_t^T q_t), and the appended columns' outputs are T_t^T
 up to t). The convolution takes the W-1 tokens before a rank's first one from the rank that holds them
 (zeros at the sequence start, with their document starts). Backward is the same fold the other way: the
 gather's gradient sums each rank's part back to it. With a ring, the zigzag order gives a rank one run of the
-sequence or two (two when its Ulysses group has one rank, or an odd number and it sits in the middle, but on the
-last ring rank, whose two chunks meet), each a link of the chain. Any number of ranks, and the bytes do not grow with S:
+sequence or two, each a link of the chain: two when its Ulysses group has one rank, or an odd number and it sits
+in the middle, for its tokens then span the two chunks of its ring rank. The last ring rank's two chunks meet, so
+its ranks hold one run each. Any number of ranks, and the bytes do not grow with S:
 (P-1) x [Dk, Dv + Dk] a value head and W-1 tokens, per run and row, forward and backward alike.
 
 The file reads: the recurrence, the chunked form, the convolution, the context-parallel way, gated_delta_net, the

@@ -86,7 +86,8 @@ class GPTConfig:
                              f"d (Gated DeltaNet), e.g. 'ddda'")
         if len(self.layer_pattern) > self.n_layer:  # what the model holds is read off the pattern's letters
             raise ValueError(f"layer_pattern={self.layer_pattern!r} has more letters than n_layer={self.n_layer}: "
-                             f"layer i takes letter i % {len(self.layer_pattern)}, so the last would build no layer")
+                             f"layer i takes letter i % {len(self.layer_pattern)}, so the letters past the first "
+                             f"{self.n_layer} would build no layer")
 
 
 # Real models' shapes, by name (train.py --model NAME; flags given beside it change them). Llama-3-8B: 32 layers of
@@ -246,8 +247,8 @@ class GPT(nn.Module):
         """idx, position_ids, labels: [B, S_local], this rank's tokens. position_ids are positions in the full
         sequence, or, with packed=True, in each document (0 where a document starts, and only there).
         token_index [B, S_local]: where each token sits in the full sequence, as shard_for_sp returns it; with
-        packed documents the ring takes it as its layout (zigzag, or per document where no layer is Gated DeltaNet),
-        else zigzag is assumed."""
+        packed documents the ring takes it as its layout (zigzag, or per document where no layer is Gated DeltaNet,
+        which one more all-gather of the ring's positions a forward makes sure of), else zigzag is assumed."""
         if position_ids.shape != idx.shape:  # RoPE would broadcast one against the other, or fail far from here
             raise ValueError(f"GPT.forward: idx {tuple(idx.shape)}, position_ids {tuple(position_ids.shape)}: want "
                              f"position_ids of idx's shape, [B, S_local]")

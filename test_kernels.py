@@ -190,8 +190,8 @@ def efficient_backward(grad_out_, query, key, value, attn_bias, out, logsumexp, 
 
 def cuda_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
     """F.scaled_dot_product_attention as CUDA runs it: grouped-query attention only in its flash kernel (fp16 or bf16,
-    no mask, heads of at most 256); elsewhere the math kernel, which holds every score. On an H100: float32 and GQA held 82 MiB for 32 MiB
-    of scores; bf16 without a mask, 1 MiB."""
+    no mask, heads of at most 256); elsewhere the math kernel, which holds every score. On an H100: float32 and GQA
+    held 82 MiB for 32 MiB of scores; bf16 without a mask, 1 MiB."""
     if enable_gqa and query.shape[1] != key.shape[1]:
         need(query.dtype in SIXTEEN_BIT and attn_mask is None and query.shape[-1] <= 256, "grouped-query attention "
              "in fp16/bf16 without a mask and heads of at most 256, else SDPA's math kernel holds the [B, Hq, S, S] "

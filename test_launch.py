@@ -59,7 +59,7 @@ from gpt import GPT, GPTConfig
     (1, ["--layer-pattern", "adx"], r"layer_pattern='adx': use the letters a \(softmax attention\) and d"),
     (4, ["--layer-pattern", "ad", "--n-layer", "1", "--ring", "2"], r"layer_pattern='ad' has more letters than "
                                                                     r"n_layer=1: layer i takes letter i % 2, so the "
-                                                                    r"last would build no layer"),
+                                                                    r"letters past the first 1 would build no layer"),
     (1, ["--lr", "nan"], r"--lr nan must be a finite number above 0"),
     (1, ["--lr=-1e-3"], r"--lr -0.001 must be a finite number above 0"),
     (1, ["--weight-decay", "inf"], r"--weight-decay inf must be a finite number of 0 or more"),

@@ -229,8 +229,8 @@ def test_ring_options_lse_and_mismatched_ranks():
     """causal=False, a softmax scale and the log-sum-exp as an output, on 3 ranks against one device in float64
     (1e-12), the fused kernel and the einsum tiles, each layout. Ranks that hold different token counts or dtypes
     get one error on every rank naming each rank's value, never a gloo abort, and so does a rank whose own k and v
-    do not fit its q (another head size, another dtype, three dimensions); a ring called without its layout is refused, and so are
-    positions that are no layout (every rank the same tokens; positions that fall)."""
+    do not fit its q (another head size, another dtype, three dimensions); a ring called without its layout is
+    refused, and so are positions that are no layout (every rank the same tokens; positions that fall)."""
     R = 3
     per_rank = run_ranks(R, _options_rank)
     for i, causal in enumerate((False, False, True, True)):

@@ -426,7 +426,8 @@ def test_ranks_that_pass_different_inputs_are_refused():
                      "torch.float32)",
                      " (this rank: q (2, 4, 4, 8) torch.complex64, k (2, 4, 2, 8) torch.complex64, v (2, 4, 2, 8) "
                      "torch.complex64)",
-                     " (this rank: q (2, 4, 4, 8) torch.float32, k (2, 4, 2) torch.float32, v (2, 4, 2) torch.float32)")]
+                     " (this rank: q (2, 4, 4, 8) torch.float32, k (2, 4, 2) torch.float32, v (2, 4, 2) "
+                     "torch.float32)")]
         assert messages == differ + unfit
 
 
