@@ -704,10 +704,10 @@ def check_inputs(q, k, v, group):
     turns it off."""
     names = ("batch size", "tokens", "query heads", "head size", "kv heads", "value head size", "dtype")
     dtypes = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
-    four_d = q.dim() == k.dim() == v.dim() == 4  # (or no size below can be read, on this rank alone)
-    fit = four_d and (k.shape == v.shape[:3] + k.shape[3:] and q.shape[:2] == k.shape[:2] and q.shape[3] == k.shape[3]
-                      and q.dtype == k.dtype == v.dtype and q.dtype in dtypes)
-    sizes = [*q.shape, k.shape[2], v.shape[3]] if four_d else [-1] * 6  # unfit: refused on every rank below
+    # 4-D first, so that no size is read on a rank that has none (it would raise there alone)
+    fit = (q.dim() == k.dim() == v.dim() == 4 and k.shape == v.shape[:3] + k.shape[3:] and q.shape[:2] == k.shape[:2]
+           and q.shape[3] == k.shape[3] and q.dtype == k.dtype == v.dtype and q.dtype in dtypes)
+    sizes = [*q.shape, k.shape[2], v.shape[3]] if fit else [-1] * 6  # unfit: refused on every rank below
     dtype = dtypes.index(q.dtype) if q.dtype in dtypes else -1  # another dtype: unfit too
     mine = torch.tensor([*sizes, dtype, fit], device=q.device)  # (8,)
     every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
