@@ -52,10 +52,11 @@ all-to-alls, on this rank's value heads; what is per token stays outside:
                                      (my heads' A_log and dt_bias), the
                                      gated delta rule -> o
 
-One all-to-all carries q, k, v, b and a. Value heads are split over the ranks as query heads are, and each
-rank receives exactly the key heads its value heads use (`head_layout`, value heads in the role of query heads).
-So a value head never spans two ranks: at most Hv ranks, and the bytes grow with S. With packed documents, the
-starts come from the all-gathered global position ids: a shard boundary is never a document start.
+Two all-to-alls carry them: q and k side by side to key heads, v, b and a side by side to value heads. Value
+heads are split over the ranks as query heads are, and each rank receives exactly the key heads its value heads
+use (`head_layout`, value heads in the role of query heads). So a value head never spans two ranks: at most Hv
+ranks, and the bytes grow with S. With packed documents, the starts come from the all-gathered global position
+ids: a shard boundary is never a document start.
 
 The context-parallel way (gdn_parallel="context") moves the state instead. Each rank keeps its own tokens
 with all heads. The rule is affine in its starting state: over a run of tokens, state_out = M @ state_in +
@@ -79,21 +80,50 @@ its ranks hold one run each. Any number of ranks, and the bytes do not grow with
 (P-1) x [Dk, Dv + Dk] a value head and W-1 tokens, per run and row, forward and backward alike.
 
 The file reads: the recurrence, the chunked form, the convolution, the context-parallel way, gated_delta_net, the
-layer. It needs torch, ring.py (the token order), ulysses.py (the all-to-all) and tiled.py's at_least_float32.
-`python bench.py deltanet` times the chunked form against the recurrence, and the two ways against each other.
+layer. It needs torch, ring.py (the token order), ulysses.py (the all-to-all), documents.py (document bounds) and
+tiled.py's at_least_float32. `python -m harness.bench deltanet` times the chunked form against the
+recurrence, and the two ways against each other.
 """
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ring import token_index
+from documents import document_bounds
+from ring import gather_ring, token_index
 from tiled import at_least_float32
-from ulysses import (_gloo_lets_go, all_to_all_bytes, document_bounds, head_layout, heads_to_seq, seq_to_heads,
-                     size_and_rank)
+from ulysses import all_to_all_bytes, head_layout, heads_to_seq, seq_to_heads, size_and_rank
+
+
+@dataclass
+class DeltaNetConfig:
+    """Gated DeltaNet's settings (gpt.GPTConfig holds them among its own). 0: n_head heads of n_embd / n_head."""
+    conv_width: int = 4  # the causal convolution over the sequence
+    # key heads (q and k) and value heads (v, the state, the output: a multiple of the key heads, each key head
+    # serving gdn_v_heads / gdn_k_heads of them), and their sizes. Qwen3-Next: 16 and 32 heads of 128.
+    gdn_k_heads: int = 0
+    gdn_v_heads: int = 0
+    gdn_k_dim: int = 0
+    gdn_v_dim: int = 0
+    # How the layers run under SP: "ulysses", whole value heads of the whole sequence on each rank (at most one
+    # rank a value head, no ring); "context", each rank its own tokens, the state's summaries gathered and folded
+    # (any number of ranks, beside a ring). The same result either way.
+    gdn_parallel: str = "ulysses"
+
+    def resolve_deltanet(self, n_head, head_dim):
+        """Each 0 to its default, then a ValueError naming a setting that does not fit."""
+        self.gdn_k_heads, self.gdn_v_heads = self.gdn_k_heads or n_head, self.gdn_v_heads or n_head
+        self.gdn_k_dim, self.gdn_v_dim = self.gdn_k_dim or head_dim, self.gdn_v_dim or head_dim
+        if self.gdn_v_heads % self.gdn_k_heads:
+            multiples = ", ".join(str(self.gdn_k_heads * m) for m in range(1, 5))
+            raise ValueError(f"gdn_v_heads={self.gdn_v_heads} is not a multiple of gdn_k_heads={self.gdn_k_heads}; "
+                             f"choose gdn_v_heads in {{{multiples}, ...}}")
+        if self.gdn_parallel not in ("ulysses", "context"):
+            raise ValueError(f"gdn_parallel={self.gdn_parallel!r}: choose 'ulysses' or 'context'")
 
 
 def gated_delta_rule(q, k, v, g, beta, starts=None):
@@ -200,8 +230,7 @@ def _all_to_all_sum(grad, group):
     P = grad.shape[0]
     send = grad.contiguous()
     received = torch.empty_like(send)  # (P, ...): row i is rank i's gradient of my piece
-    with _gloo_lets_go(received, send):  # which waits, after the call, until gloo has let go of the tensors
-        dist.all_to_all_single(received, send, group=group)
+    dist.all_to_all_single(received, send, group=group)
     context_stats["backward"] += send.nbytes * (P - 1) // P  # row `rank` stays here
     return received.sum(0)
 
@@ -222,8 +251,7 @@ class _GatherThen(torch.autograd.Function):
                 every = every[None]
                 continue
             parts = [torch.empty_like(every) for _ in range(P)]
-            with _gloo_lets_go(every, *parts):
-                dist.all_gather(parts, every, group=group)
+            dist.all_gather(parts, every, group=group)
             context_stats["forward"] += every.nbytes * (P - 1)  # mine, to each other rank
             every = torch.stack(parts)  # (U, n, ...), then (R, U, n, ...)
         ctx.context, ctx.fn = context, fn
@@ -242,6 +270,21 @@ class _GatherThen(torch.autograd.Function):
         for group in reversed(ctx.context):  # the ring's rows first, then the Ulysses group's
             grad = grad[0] if size_and_rank(group)[0] == 1 else _all_to_all_sum(grad, group)  # (U, n, ...), (n, ...)
         return grad, None, None
+
+
+def zigzag_only(layout, ring_group):
+    """ValueError on every rank unless a ring's layout (what ring_attention takes: "zigzag", or each token's
+    position, [B, U L] for my ring rank) is zigzag: the state passes from ring rank to ring rank in that order."""
+    if isinstance(layout, str):
+        if layout == "zigzag":
+            return
+        raise ValueError(f"layout={layout!r}: Gated DeltaNet layers under a ring take the zigzag layout")
+    every = gather_ring(layout, ring_group)  # (R, B, U L): every ring rank's, so all decide alike
+    zigzag = torch.stack([token_index("zigzag", r, len(every), every.shape[2]) for r in range(len(every))])  # (R, U L)
+    if not torch.equal(every, zigzag[:, None].expand_as(every).to(every.device)):
+        raise ValueError("the tokens are laid out in another order than zigzag (as documents.document_layout lays them "
+                         "out), which Gated DeltaNet layers do not take under a ring: their state passes from rank to "
+                         "rank in the zigzag order; shard with the default layout")
 
 
 def token_runs(context, L):
@@ -416,8 +459,9 @@ class GatedDeltaNet(nn.Module):
             value_heads, key_heads = self.heads()
             rank = size_and_rank(self.sp_group)[1]
             mine_v, mine_k, context = value_heads[rank], key_heads[rank], None
-            q, k, v, b, a = seq_to_heads((q, k, v, b, a), self.sp_group,
-                                         (key_heads, key_heads, value_heads, value_heads, value_heads))  # (B, S, h, *)
+            qk = seq_to_heads(torch.cat([q, k], dim=-1), self.sp_group, key_heads)  # (B, S, hk, 2 Dk)
+            vba = seq_to_heads(torch.cat([v, b, a], dim=-1), self.sp_group, value_heads)  # (B, S, hv, Dv + 2)
+            (q, k), (v, b, a) = qk.split(Dk, dim=-1), vba.split([Dv, 1, 1], dim=-1)  # (B, S, h, *) each
         key_of_value = [h // (Hv // Hk) - mine_k.start for h in mine_v] if Hk < Hv else None
         conv = torch.cat([self.conv_qk[:, mine_k.start:mine_k.stop].flatten(0, 2),
                           self.conv_v[mine_v.start:mine_v.stop].flatten(0, 1)])  # (2*hk*Dk + hv*Dv, W): my channels

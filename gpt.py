@@ -2,15 +2,13 @@
 A small decoder-only transformer (nanoGPT-style, with RoPE, RMSNorm and grouped-query attention) that trains
 under Ulysses sequence parallelism, with softmax attention or Gated DeltaNet (linear attention) in each layer.
 
-The model sees only its rank's S/P tokens. Everything except attention is per-token, so it runs on the local
-tokens unchanged; attention goes through ulysses.py, the one place where tokens of different ranks meet. The
-model knows nothing else about SP: it gets the SP group to pass to the all-to-alls, and the GLOBAL position of
-each token (RoPE must rotate token i by i, not by its index inside the shard).
+The model sees only its rank's S/P tokens. Everything but attention is per token, so it runs on the local tokens
+unchanged; attention goes through ulysses.py, the one place where tokens of different ranks meet. The model knows
+nothing else of SP: it passes the SP group to the all-to-alls, and RoPE rotates each token by its GLOBAL position.
 
 A layer is softmax attention or, in hybrid models (Qwen3-Next: three Gated DeltaNet layers to one softmax layer),
-Gated DeltaNet, a linear attention with a recurrent state, which deltanet.py teaches. The MLP is GPT-2's (GELU) or
-Llama's (SwiGLU); `PRESETS` names real shapes (`llama3-8b`: Llama-3-8B's 8.03B parameters, its 128,256-token vocabulary
-and untied head). The file reads config, RoPE, attention, MLP, block, GPT.
+Gated DeltaNet, a linear attention with a recurrent state (deltanet.py). The MLP is GPT-2's (GELU) or Llama's
+(SwiGLU); `PRESETS` names real shapes. The file reads config, RoPE, attention, MLP, block, kernels, GPT.
 """
 
 from contextlib import nullcontext
@@ -22,16 +20,16 @@ import torch.nn as nn
 import torch.nn.functional as F
 import torch.utils.checkpoint
 
-from deltanet import GatedDeltaNet, gated_delta_net
-from ring import gather_ring, ring_attention, ring_bytes, token_index as ring_index
-from tiled import at_least_float32, tiled_lm_loss, tiled_mlp
-from ulysses import (all_to_all_bytes, attention_layer, causal_attention, check_shards, document_attention,
-                     gather_sequence, head_layout, kernel_kv_heads, rope_cos_sin, sliding_window_attention,
-                     size_and_rank)
+from deltanet import DeltaNetConfig, GatedDeltaNet, gated_delta_net, zigzag_only
+from documents import document_attention, gather_sequence
+from ring import ring_attention
+from tiled import at_least_float32, kept_on, tiled_lm_loss, tiled_mlp
+from ulysses import (causal_attention, check_shards, head_layout, size_and_rank, sliding_window_attention,
+                     ulysses_attention)
 
 
 @dataclass
-class GPTConfig:
+class GPTConfig(DeltaNetConfig):  # Gated DeltaNet's settings, from deltanet.py, come first
     vocab_size: int = 256
     n_layer: int = 2
     n_head: int = 4
@@ -43,18 +41,6 @@ class GPTConfig:
     mlp: str = "gelu"  # "gelu": proj(gelu(fc x)), GPT-2's; "swiglu": proj(silu(gate x) * up x), Llama's
     intermediate_size: int = 0  # the MLP's hidden size; 0: 4 x n_embd
     layer_pattern: str = "a"  # layer i is layer_pattern[i % len]: a = softmax attention, d = Gated DeltaNet
-    conv_width: int = 4  # Gated DeltaNet's causal convolution over the sequence
-    # Gated DeltaNet's heads: key heads (q and k), value heads (v, the state, the output; a multiple of the key
-    # heads, each key head serving n_v / n_k of them), and their dims. 0: n_head heads of n_embd / n_head.
-    # Qwen3-Next: 16 key heads and 32 value heads, both of dim 128.
-    gdn_k_heads: int = 0
-    gdn_v_heads: int = 0
-    gdn_k_dim: int = 0
-    gdn_v_dim: int = 0
-    # How Gated DeltaNet layers run under SP (deltanet.py): "ulysses", whole value heads of the whole sequence on
-    # each rank (at most one rank a value head, no ring); "context", each rank its tokens, the state's summaries
-    # gathered and folded (any number of ranks, beside a ring). The same result either way.
-    gdn_parallel: str = "ulysses"
     # How to compute, not what: these change memory and time, never the result.
     tiles: int = 1  # > 1: MLP and loss run over this many sequence tiles (tiled.py), never the full activation
     loss_tiles: int = 0  # the loss's own tile count (its logits are vocab/h times the MLP's input a token); 0: tiles
@@ -64,23 +50,12 @@ class GPTConfig:
     def __post_init__(self):
         if self.n_embd % self.n_head or (self.n_embd // self.n_head) % 2:
             raise ValueError(f"n_embd={self.n_embd} must split into n_head={self.n_head} heads of even size")
-        if self.n_head % self.n_kv_head:
-            divisors = ", ".join(str(k) for k in range(1, self.n_head + 1) if self.n_head % k == 0)
-            raise ValueError(f"n_head={self.n_head} is not a multiple of n_kv_head={self.n_kv_head}; "
-                             f"choose n_kv_head in {{{divisors}}}")
-        head_dim = self.n_embd // self.n_head
-        self.gdn_k_heads, self.gdn_v_heads = self.gdn_k_heads or self.n_head, self.gdn_v_heads or self.n_head
-        self.gdn_k_dim, self.gdn_v_dim = self.gdn_k_dim or head_dim, self.gdn_v_dim or head_dim
-        if self.gdn_v_heads % self.gdn_k_heads:
-            multiples = ", ".join(str(self.gdn_k_heads * m) for m in range(1, 5))
-            raise ValueError(f"gdn_v_heads={self.gdn_v_heads} is not a multiple of gdn_k_heads={self.gdn_k_heads}; "
-                             f"choose gdn_v_heads in {{{multiples}, ...}}")
+        head_layout(self.n_head, self.n_kv_head, 1)  # a ValueError unless n_kv_head divides n_head
+        self.resolve_deltanet(self.n_head, self.n_embd // self.n_head)
         self.intermediate_size = self.intermediate_size or 4 * self.n_embd
         self.loss_tiles = self.loss_tiles or self.tiles
         if self.mlp not in ("gelu", "swiglu"):
             raise ValueError(f"mlp={self.mlp!r}: choose 'gelu' or 'swiglu'")
-        if self.gdn_parallel not in ("ulysses", "context"):
-            raise ValueError(f"gdn_parallel={self.gdn_parallel!r}: choose 'ulysses' or 'context'")
         if not self.layer_pattern or set(self.layer_pattern) - set("ad"):
             raise ValueError(f"layer_pattern={self.layer_pattern!r}: use the letters a (softmax attention) and "
                              f"d (Gated DeltaNet), e.g. 'ddda'")
@@ -90,11 +65,22 @@ class GPTConfig:
                              f"{self.n_layer} would build no layer")
 
 
-# Real models' shapes, by name (train.py --model NAME; flags given beside it change them). Llama-3-8B: 32 layers of
-# 4,096 with 32 query heads and 8 kv heads of 128, a SwiGLU MLP of 14,336, an embedding and a head of its own over
-# 128,256 tokens: 8,030,261,248 parameters, as Meta's.
+# Real models' shapes, by name (train.py --model NAME; flags beside it change them). Llama-3-8B: 32 layers of 4,096,
+# 32 query and 8 kv heads of 128, a SwiGLU MLP of 14,336, its own embedding and head over 128,256 tokens: 8.03B.
 PRESETS = {"llama3-8b": dict(n_layer=32, n_embd=4096, n_head=32, n_kv_head=8, vocab_size=128256, mlp="swiglu",
                              intermediate_size=14336, rope_base=500000.0)}
+
+
+def rope_cos_sin(position_ids, head_dim, base):  # global positions [B, S] -> cos, sin [B, S, 1, head_dim], float32
+    inv_freq = base ** -(torch.arange(0, head_dim, 2, device=position_ids.device, dtype=torch.float32) / head_dim)
+    angles = position_ids.float()[..., None] * inv_freq  # (B, S, D/2)
+    angles = torch.cat([angles, angles], dim=-1)[:, :, None, :]  # (B, S, 1, D)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x, cos, sin):  # x [B, S, H, D]: each pair (x_i, x_{i+D/2}) turned by its position's angle
+    x1, x2 = x.chunk(2, dim=-1)
+    return (x * cos + torch.cat([-x2, x1], dim=-1) * sin).to(x.dtype)
 
 
 class Attention(nn.Module):
@@ -107,26 +93,14 @@ class Attention(nn.Module):
         self.sinks = nn.Parameter(torch.zeros(cfg.n_head)) if cfg.sinks else None
         self.sp_group = sp_group
 
-    def forward(self, x, cos, sin, attend):  # (B, S_local, h) -> (B, S_local, h); q and k rotated by global position
-        return attention_layer(x, self.qkv.weight, self.proj.weight, self.n_head, self.n_kv_head, self.sp_group,
-                               attend, cos, sin, check=False, sinks=self.sinks)  # GPT.forward checks the shards
-
-    def all_to_all_bytes(self, tokens, element_bytes):
-        """(forward, backward) bytes this rank sends per call on `tokens` local tokens: q, k and v to the other
-        ranks' heads and the output back; backward the reverse. ulysses.all_to_all_bytes counts each."""
-        P, rank = size_and_rank(self.sp_group)
-        query_heads, kv_heads = head_layout(self.n_head, self.n_kv_head, P)
-        per_head = tokens * self.head_dim * element_bytes
-        (q_there, q_back), (kv_there, kv_back) = (all_to_all_bytes(h, rank, per_head) for h in (query_heads, kv_heads))
-        return q_there + 2 * kv_there + q_back, q_there + q_back + 2 * kv_back
-
-    def ring_bytes(self, tokens, element_bytes, R):
-        """(forward, backward) bytes this rank sends around a ring of R per call (ring.ring_bytes): the key/value
-        block of the kv heads its kernel gets, for all U * tokens tokens of its Ulysses group."""
-        U, rank = size_and_rank(self.sp_group)
-        kv = len(kernel_kv_heads(self.n_head, self.n_kv_head, U, rank))
-        block = 2 * tokens * U * kv * self.head_dim  # k and v, elements
-        return ring_bytes(R, block * element_bytes, block * max(4, element_bytes))
+    def forward(self, x, cos, sin, attend):
+        B, S_local, _ = x.shape  # S_local = S/P: this rank's tokens
+        qkv = self.qkv(x).view(B, S_local, -1, self.head_dim)  # (B, S/P, n_head + 2 n_kv_head, D)
+        q, k, v = qkv.split([self.n_head, self.n_kv_head, self.n_kv_head], dim=2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # rotated by their global positions
+        # GPT.forward checks once that every rank holds alike shards, so the layer need not
+        y = ulysses_attention(q, k, v, self.sp_group, attend, check=False, sinks=self.sinks)  # (B, S/P, n_head, D)
+        return self.proj(y.flatten(2))  # (B, S/P, n_embd)
 
 
 def mlp(x, fc_weight, proj_weight):
@@ -208,31 +182,43 @@ class Head(nn.Module):
         return loss_sum, correct
 
 
-def kept_on(host):
-    """What autograd saves for backward waits there on `host` (torch.autograd.graph.save_on_cpu, for any host device):
-    copied out as it is saved, into pinned memory when it comes from a GPU, and copied back when backward needs it."""
-    def pack(t):
-        return t.device, torch.empty(t.shape, dtype=t.dtype, device=host, pin_memory=t.is_cuda).copy_(t)
-    return torch.autograd.graph.saved_tensors_hooks(pack, lambda packed: packed[1].to(packed[0], non_blocking=True))
+def layer_kernels(cfg, sp_group=None, ring_group=None):
+    """What each kind of layer computes, chosen once, where the model is built: kernels(position_ids, packed,
+    token_index) -> {"a": softmax attention's attn_fn, "d": Gated DeltaNet's} for a batch, whose packed documents
+    need the full sequence's starts, and a ring its tokens' layout (shard_for_ring's token_index)."""
+    ring, window = size_and_rank(ring_group)[0] > 1, cfg.window or None
+    if ring and "d" in cfg.layer_pattern and cfg.gdn_parallel == "ulysses":
+        raise ValueError("gdn_parallel='ulysses' runs a Gated DeltaNet layer on its Ulysses group alone, which a ring "
+                         "splits; use gdn_parallel='context' with a ring, or no ring")
+
+    def kernels(position_ids, packed, token_index):
+        full = gather_sequence(position_ids, sp_group) if packed else None  # (B, U S_local): where documents start
+        if ring or cfg.sinks:  # the ring's kernel takes sinks: with sinks and no ring, a ring of one rank
+            layout = gather_sequence(token_index, sp_group) if packed and ring and token_index is not None else "zigzag"
+            if "d" in cfg.layer_pattern and ring:  # their state passes from ring rank to ring rank in zigzag order
+                zigzag_only(layout, ring_group)
+            attend = partial(ring_attention, group=ring_group, layout=layout, window=window, position_ids=full)
+        elif packed:
+            attend = partial(document_attention, position_ids=full, window=window)
+        else:
+            attend = partial(sliding_window_attention, window=window) if window else causal_attention
+        starts = None if not packed else position_ids == 0 if cfg.gdn_parallel == "context" else full == 0
+        return {"a": attend, "d": partial(gated_delta_net, starts=starts)}
+    return kernels
 
 
 class GPT(nn.Module):
-    """sp_group: the Ulysses group whose all-to-alls carry attention; ring_group (Ulysses x Ring): the ring over
-    which softmax attention then runs (ring.py). None: no such group. host: where cfg.offload keeps the block inputs
-    when the model computes elsewhere (on a GPU)."""
+    """sp_group: the Ulysses group of the all-to-alls; ring_group (Ulysses x Ring): the ring softmax attention then
+    runs over (ring.py); None: no such group. host: where cfg.offload keeps block inputs off a GPU."""
 
     def __init__(self, cfg, sp_group=None, ring_group=None, host=torch.device("cpu")):
         super().__init__()
-        self.host = host
+        self.cfg, self.sp_group, self.host = cfg, sp_group, host
         self.ring_group = ring_group if size_and_rank(ring_group)[0] > 1 else None
-        if self.ring_group and "d" in cfg.layer_pattern and cfg.gdn_parallel == "ulysses":
-            raise ValueError("gdn_parallel='ulysses' runs a Gated DeltaNet layer on its Ulysses group alone, which "
-                             "a ring splits; use gdn_parallel='context' with a ring, or no ring")
-        self.cfg = cfg
+        self.kernels = layer_kernels(cfg, sp_group, self.ring_group)  # what attention runs is decided here
         self.embed = nn.Embedding(cfg.vocab_size, cfg.n_embd)
         self.blocks = nn.ModuleList(Block(cfg, sp_group, cfg.layer_pattern[i % len(cfg.layer_pattern)],
                                           self.ring_group) for i in range(cfg.n_layer))
-        self.sp_group = sp_group
         self.head = Head(cfg)
         for name, p in self.named_parameters():
             if p.dim() == 2:  # the output projections into the residual stream scaled down with depth, as in GPT-2
@@ -244,42 +230,19 @@ class GPT(nn.Module):
         return [self.embed, *self.blocks, self.head]
 
     def forward(self, idx, position_ids, labels=None, packed=False, token_index=None):
-        """idx, position_ids, labels: [B, S_local], this rank's tokens. position_ids are positions in the full
-        sequence, or, with packed=True, in each document (0 where a document starts, and only there).
-        token_index [B, S_local]: where each token sits in the full sequence, as shard_for_sp returns it; with
-        packed documents the ring takes it as its layout (zigzag, or per document where no layer is Gated DeltaNet,
-        which one more all-gather of the ring's positions a forward makes sure of), else zigzag is assumed."""
+        """idx, position_ids, labels: [B, S_local], this rank's tokens. position_ids: in the full sequence, or with
+        packed=True in each document (0 where one starts). token_index: each token's place in the sequence
+        (shard_for_ring's), a ring's layout over packed documents (else zigzag)."""
         if position_ids.shape != idx.shape:  # RoPE would broadcast one against the other, or fail far from here
             raise ValueError(f"GPT.forward: idx {tuple(idx.shape)}, position_ids {tuple(position_ids.shape)}: want "
                              f"position_ids of idx's shape, [B, S_local]")
-        for group in (self.sp_group, self.ring_group):  # one tiny collective each, before a mismatch could hang
-            check_shards(idx, group)
-        window = self.cfg.window
-        # the kernels run on the full sequence, so with packing they need the document starts of the full sequence
-        full_positions = gather_sequence(position_ids, self.sp_group) if packed else None
-        given = packed and token_index is not None and self.ring_group is not None  # shard_for_sp's layout
-        layout = gather_sequence(token_index, self.sp_group) if given else "zigzag"  # of my ring rank's tokens
-        if given and any(block.kind == "d" for block in self.blocks):  # their context-parallel state runs in zigzag
-            every = gather_ring(layout, self.ring_group)  # (R, B, U L): every ring rank's, so all decide alike
-            zigzag = torch.stack([ring_index("zigzag", r, len(every), every.shape[2]) for r in range(len(every))])
-            if not torch.equal(every, zigzag[:, None].expand_as(every)):  # (R, U L) -> (R, B, U L)
-                raise ValueError("GPT.forward: token_index lays the tokens out in another order than zigzag (as "
-                                 "ring.document_layout does), which Gated DeltaNet layers do not take under a ring: "
-                                 "their state passes from rank to rank in the zigzag order; shard with the default "
-                                 "layout")
-        ring = partial(ring_attention, group=self.ring_group, layout=layout, window=window or None,  # shard_for_sp's
-                       position_ids=full_positions)  # with a ring: the positions of my ring rank's tokens
-        # the ring's kernel takes attention sinks, SDPA's and flash-attn's do not: with sinks, a ring of one rank
-        attend = {"a": ring if self.ring_group or self.cfg.sinks else
-                  partial(document_attention, position_ids=full_positions, window=window) if packed else
-                  partial(sliding_window_attention, window=window) if window else causal_attention,
-                  "d": partial(gated_delta_net, starts=None if not packed else  # context: its own tokens' starts
-                               position_ids == 0 if self.cfg.gdn_parallel == "context" else full_positions == 0)}
+        check_shards(idx, self.sp_group), check_shards(idx, self.ring_group)  # before a mismatch could hang
+        attend = self.kernels(position_ids, packed, token_index)  # each kind of layer's kernel, for this batch
         x = at_least_float32(self.embed(idx))  # (B, S_local, h); the residual stream stays float32 under bf16
         cos, sin = rope_cos_sin(position_ids, self.cfg.n_embd // self.cfg.n_head, self.cfg.rope_base)
         offload = self.cfg.offload and x.device != self.host  # ALST's trick: block inputs wait in host memory
         for block in self.blocks:
-            if self.cfg.recompute:
+            if self.cfg.recompute:  # keep only the block's input; run the block again in backward
                 with kept_on(self.host) if offload else nullcontext():
                     x = torch.utils.checkpoint.checkpoint(block, x, cos, sin, attend[block.kind], use_reentrant=False)
             else:

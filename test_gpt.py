@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 import data
+import documents
 import ring
 import ulysses
 from conftest import (DOC_LENGTHS, assert_all_close, grads, packed_batch, run_ranks, summed, usp_groups, whole_sequence,
@@ -101,9 +102,9 @@ def test_packed_documents_under_sp(world_size, pattern):
 def _document_layout_rank(rank, world_size):
     """A packed batch over a ring of 2 in the per-document layout, into a model with a Gated DeltaNet layer (the
     context way, which runs beside a ring) and into one without: the error, and the logits."""
-    ring.MIN_CHUNK = 1  # documents of a few tokens are shared out too
+    documents.MIN_CHUNK = 1  # documents of a few tokens are shared out too
     groups = usp_groups(1, 2)
-    inputs, _, position_ids, index = ulysses.shard_for_sp(*packed_batch(), *groups, ring.document_layout)
+    inputs, _, position_ids, index = ring.shard_for_ring(*packed_batch(), *groups, documents.document_layout)
     results = []
     for pattern in ("da", "a"):
         torch.manual_seed(0)
@@ -122,7 +123,7 @@ def test_gated_deltanet_refuses_the_per_document_layout():
     0.12 off); softmax attention alone takes them and equals one device."""
     per_rank = run_ranks(2, _document_layout_rank)
     for refused, _ in per_rank:
-        assert refused.startswith("GPT.forward: token_index lays the tokens out in another order than zigzag"), refused
+        assert refused.startswith("the tokens are laid out in another order than zigzag"), refused
     logits = whole_sequence([r[1][1] for r in per_rank], [r[1][0] for r in per_rank])
     inputs, _, position_ids = packed_batch()
     torch.manual_seed(0)
@@ -201,7 +202,7 @@ def test_the_llama3_8b_preset_is_llama_3_8b():
     """--model llama3-8b is Llama-3-8B's shape: 8,030,261,248 parameters, Meta's count (32 layers of 4,096, 32 query
     and 8 kv heads, SwiGLU of 14,336, its own embedding and head over 128,256 tokens, RoPE theta 500,000); a model
     flag given beside it changes that alone."""
-    import launch
+    from harness import launch
     args = launch.parse_args(["--model", "llama3-8b"])
     launch.check_args(args, 8)
     cfg = launch.model_config(args)

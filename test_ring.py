@@ -1,7 +1,8 @@
 """
-Tests of ring.py against one device: ring attention on 2, 3 and 4 ranks (zigzag and contiguous layouts, GQA, a
-sliding window, packed documents, float64, float32 and bf16, and the bytes each rank sends), Ulysses x Ring (USP)
-on U x R ranks, and the causal work per rank of each layout.
+Tests of ring.py and documents.py against one device: ring attention on 2, 3 and 4 ranks (zigzag and contiguous
+layouts, GQA, a sliding window, packed documents, float64, float32 and bf16, and the bytes each rank sends), Ulysses
+x Ring (USP) on U x R ranks and the batch cut for it (shard_for_ring), sinks, the causal work per rank of each
+layout, and per-document balance.
 """
 
 from functools import partial
@@ -10,9 +11,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import documents
 import ring
 import ulysses
-from conftest import assert_all_close, attention_formula, my_tokens, qkv, run_ranks, usp_groups, whole_sequence
+from conftest import assert_all_close, attention_formula, qkv, run_ranks, usp_groups, whole_sequence
 
 
 RING_CASES = [("zigzag", torch.float64, None, True), ("contiguous", torch.float64, None, True),
@@ -30,11 +32,16 @@ def _full_attention(q, k, v, window, grad_out, position_ids=None):
     each document when position_ids are given."""
     q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
     if position_ids is not None:
-        out = ulysses.document_attention(q, k, v, position_ids, window)
+        out = documents.document_attention(q, k, v, position_ids, window)
     else:
         out = ulysses.sliding_window_attention(q, k, v, window) if window else ulysses.causal_attention(q, k, v)
     out.backward(grad_out)
     return [out.detach(), q.grad, k.grad, v.grad]
+
+
+def my_tokens(S, ulysses_group, ring_group):
+    """The global indices of this rank's tokens of a sequence of S, in the order shard_for_ring gives them: [S/P]."""
+    return ring.shard_for_ring(*[torch.arange(S)[None]] * 3, ulysses_group, ring_group)[3][0]
 
 
 def _ring_rank(rank, R, cases):
@@ -126,8 +133,8 @@ def _usp_rank(rank, P, U, R, heads, cases):
     ring.QUERY_TILE = 5  # several query tiles a block
     ulysses_group, ring_group = usp_groups(U, R)
     S = 24
-    index = ulysses.shard_for_sp(*[torch.arange(S)[None]] * 3, ulysses_group, ring_group)[0][0]  # my global tokens
-    positions = ulysses.gather_sequence(PACKED_POSITIONS[:, index], ulysses_group)  # of my ring rank's tokens
+    index = my_tokens(S, ulysses_group, ring_group)  # my global tokens
+    positions = documents.gather_sequence(PACKED_POSITIONS[:, index], ulysses_group)  # of my ring rank's tokens
     results = []
     for dtype, window, packed in cases:
         q, k, v, grad_out = (t.to(dtype)[:, index].requires_grad_() for t in qkv(2, S, *heads, 8))
@@ -143,9 +150,9 @@ def _usp_rank(rank, P, U, R, heads, cases):
                                          (3, 2, (8, 2))])
 def test_ring_usp_matches_one_device(U, R, heads):
     """Ulysses x Ring on U x R ranks against one device, output and dq, dk, dv: float64 within 1e-12, float32
-    within 1e-5, a sliding window, and packed documents (PACKED_POSITIONS). 4 query heads and 2 kv heads (with U = 4 each kv head travels to two
-    ranks), and 8 and 2 on U = 3 (uneven: 3, 3, 2 query heads, the middle rank using both kv heads).
-    shard_for_sp gives each rank its tokens in the zigzag order, and every token to exactly one rank."""
+    within 1e-5, a sliding window, and packed documents (PACKED_POSITIONS). 4 query heads and 2 kv heads (with U = 4
+    each kv head travels to two ranks), and 8 and 2 on U = 3 (uneven: 3, 3, 2 query heads, the middle rank using both
+    kv heads). shard_for_ring gives each rank its tokens in the zigzag order, and every token to exactly one rank."""
     cases = [(torch.float64, None, False), (torch.float32, None, False), (torch.float64, 5, False),
              (torch.float64, None, True), (torch.float32, 5, True)]
     per_rank = run_ranks(U * R, _usp_rank, U, R, heads, cases)
@@ -162,16 +169,87 @@ def test_ring_usp_matches_one_device(U, R, heads):
                          where=f"U={U} R={R} heads={heads} {dtype} window={window} packed={packed}")
 
 
+def _shard_inputs(S):
+    """Input ids, labels and position ids [2, S]: ids from 100 up, labels 0 to 6 again and again, packed positions."""
+    return torch.arange(100, 100 + S).expand(2, S), torch.arange(S).expand(2, S) % 7, PACKED_POSITIONS[:, :S]
+
+
+def same_positions(position_ids, R):
+    """Not a layout: every ring rank the first S/R positions."""
+    B, S = position_ids.shape
+    return torch.arange(S // R).expand(B, R, S // R)
+
+
+def falling_positions(position_ids, R):
+    """Not a layout: each ring rank its zigzag positions, falling."""
+    B, S = position_ids.shape
+    return torch.stack([ring.token_index("zigzag", r, R, S // R).flip(0) for r in range(R)]).expand(B, R, S // R)
+
+
+def _shard_rank(rank, P, U, R, S):
+    ulysses_group, ring_group = usp_groups(U, R)
+    ids, labels, positions = _shard_inputs(S)
+    shards = [ring.shard_for_ring(ids, labels, positions, ulysses_group, ring_group, layout)
+              for layout in (None, documents.document_layout)]
+    errors = []
+    for layout in (same_positions, falling_positions) if R > 1 else ():
+        try:
+            ring.shard_for_ring(ids, labels, positions, ulysses_group, ring_group, layout)
+        except ValueError as e:
+            errors.append(str(e))
+    return shards, ulysses.shard_for_sp(ids, labels, positions, ulysses_group) if R == 1 else None, errors
+
+
+# (U, R): the token index of each rank in world order (U consecutive ranks a Ulysses group), for S = 15: padded to a
+# multiple of 2P (of P without a ring), ring rank r takes chunks r and 2R-1-r of 2R, its Ulysses ranks split them
+SHARD_CASES = {(2, 2): [[0, 1, 2, 3], [12, 13, 14, 15], [4, 5, 6, 7], [8, 9, 10, 11]],
+               (1, 3): [[0, 1, 2, 15, 16, 17], [3, 4, 5, 12, 13, 14], [6, 7, 8, 9, 10, 11]],
+               (2, 1): [[0, 1, 2, 3, 4, 5, 6, 7], [8, 9, 10, 11, 12, 13, 14, 15]]}
+
+
+@pytest.mark.parametrize("U, R", list(SHARD_CASES))
+def test_shard_for_ring_cuts_the_padded_sequence(U, R):
+    """shard_for_ring on U x R ranks, 2 rows of 15 tokens: each rank's token index is the zigzag order (SHARD_CASES),
+    the same in both rows; its ids, labels and positions are the padded sequence's at its token index (input 0,
+    label -100, positions counting on past the last), so every rank's shards put back by token index give the padded
+    sequence, each token once; with a ring of one rank it equals ulysses.shard_for_sp. With documents.document_layout
+    each ring rank's tokens, joined over its Ulysses ranks in order, are document_layout's share of the padded row;
+    a layout function whose ranks hold the same positions, or positions that fall, is refused on every rank."""
+    S_pad = len(sum(SHARD_CASES[U, R], []))
+    per_rank = run_ranks(U * R, _shard_rank, U, R, 15)
+    ids, labels, positions = _shard_inputs(15)  # the last positions: 1 and 2
+    padded = [torch.cat([t, torch.full((2, S_pad - 15), fill)], dim=1) for t, fill in ((ids, 0), (labels, -100))]
+    padded.append(torch.cat([positions, positions[:, -1:] + torch.arange(1, S_pad - 14)], dim=1))  # (2, S_pad) each
+    for layout in range(2):
+        indices = [shards[layout][3] for shards, _, _ in per_rank]
+        if layout == 0:
+            assert [index.tolist() for index in indices] == [[row] * 2 for row in SHARD_CASES[U, R]]
+        else:
+            every = documents.document_layout(padded[2], R)  # (2, R, S_pad/R)
+            for r in range(R):
+                assert torch.equal(torch.cat(indices[r * U:(r + 1) * U], dim=1), every[:, r]), (layout, r)
+        assert all(sorted(row) == list(range(S_pad)) for row in torch.cat(indices, dim=1).tolist())
+        for i, full in enumerate(padded):
+            got = whole_sequence([shards[layout][i] for shards, _, _ in per_rank], indices)  # (2, S_pad)
+            assert torch.equal(got, full), (layout, i)
+    for shards, one_ring, errors in per_rank:
+        assert one_ring is None or all(torch.equal(a, b) for a, b in zip(shards[0], one_ring))
+        assert errors == ([] if R == 1 else [f"layout: {name} must give each ring rank rising positions, each one once"
+                                             for name in ("same_positions", "falling_positions")])
+    with pytest.raises(ValueError, match=r"^shard_for_ring: input_ids \(2, 15\), labels \(2, 14\), position_ids "):
+        ring.shard_for_ring(ids, labels[:, 1:], positions, None, None)
+
+
 def test_ring_work_is_balanced_by_zigzag():
     """Causal work per rank (query-key pairs computed): zigzag gives every rank the same, a contiguous split
     gives the last rank R times the first rank's."""
     for R in (2, 3, 4, 8):
         L = 4 * R
-        assert len(set(ring.ring_work(R, L, "zigzag"))) == 1, R
-        contiguous = ring.ring_work(R, L, "contiguous")
+        assert len(set(documents.ring_work(R, L, "zigzag"))) == 1, R
+        contiguous = documents.ring_work(R, L, "contiguous")
         assert contiguous == sorted(contiguous) and contiguous[-1] == R * contiguous[0], R
     # zigzag on R ranks: my own block (a causal pair of chunks) and half of each other block
-    assert ring.ring_work(4, 8, "zigzag") == [8 * 8 + 3 * 8 * 4] * 4
+    assert documents.ring_work(4, 8, "zigzag") == [8 * 8 + 3 * 8 * 4] * 4
 
 
 def test_fused_kernel_covers_every_block_without_a_window():
@@ -200,7 +278,8 @@ def _options_rank(rank, R):
         out.backward(grad_out)
         results.append((index, [out.detach(), lse, q.grad, k.grad, v.grad]))
     errors = []
-    for q in (torch.zeros(1, 12 if rank else 10, 4, 8), torch.zeros(1, 12, 4, 8, dtype=torch.float64 if rank else None)):
+    for q in (torch.zeros(1, 12 if rank else 10, 4, 8),
+              torch.zeros(1, 12, 4, 8, dtype=torch.float64 if rank else None)):
         try:
             ring.ring_attention(q, q, q, dist.group.WORLD, "zigzag")
         except ValueError as e:
@@ -210,11 +289,6 @@ def _options_rank(rank, R):
     except ValueError as e:
         errors.append(str(e))
     q = torch.zeros(1, 8, 4, 8)
-    for positions in (torch.arange(8), ring.token_index("zigzag", rank, R, 8).flip(0)):  # the same on every rank;
-        try:  # falling
-            ring.ring_attention(q, q, q, dist.group.WORLD, positions[None], position_ids=positions[None])
-        except ValueError as e:
-            errors.append(str(e))
     for kv in (torch.zeros(1, 8, 2, 4 if rank == 1 else 8), torch.zeros(1, 8, 2, 8, dtype=torch.float64 if rank == 1
                                                                           else None),
                torch.zeros(1, 8, 2, *([] if rank == 1 else [8]))):  # rank 1: k, v unlike its q
@@ -222,6 +296,11 @@ def _options_rank(rank, R):
             ring.ring_attention(q, kv, kv, dist.group.WORLD, "zigzag")
         except ValueError as e:
             errors.append(str(e))
+    kv = q[:, :, :2]
+    try:  # rank 1: 3 sink logits for 4 query heads
+        ring.ring_attention(q, kv, kv, dist.group.WORLD, "zigzag", sinks=torch.zeros(3 if rank == 1 else 4))
+    except ValueError as e:
+        errors.append(str(e))
     return results, errors
 
 
@@ -229,8 +308,8 @@ def test_ring_options_lse_and_mismatched_ranks():
     """causal=False, a softmax scale and the log-sum-exp as an output, on 3 ranks against one device in float64
     (1e-12), the fused kernel and the einsum tiles, each layout. Ranks that hold different token counts or dtypes
     get one error on every rank naming each rank's value, never a gloo abort, and so does a rank whose own k and v
-    do not fit its q (another head size, another dtype, three dimensions); a ring called without its layout is
-    refused, and so are positions that are no layout (every rank the same tokens; positions that fall)."""
+    do not fit its q (another head size, another dtype, three dimensions) or whose sinks do not fit its query heads;
+    a ring called without its layout is refused."""
     R = 3
     per_rank = run_ranks(R, _options_rank)
     for i, causal in enumerate((False, False, True, True)):
@@ -246,25 +325,23 @@ def test_ring_options_lse_and_mismatched_ranks():
             for full, part in zip(got, parts):
                 full[:, index] = part
         assert_all_close(got, want, 1e-12, 1e-12, where=f"case {i}")
+    want = ("; want q [B, L, Hq, D] and k, v [B, L, Hkv, D] of one dtype, Hq a multiple of Hkv, sinks [Hq], the same "
+            "on every rank (shard_for_ring cuts so)")
+    by_rank = "q, k, v differ between the ranks of the ring or do not fit together ([B, L, Hq, D, Hkv, dtype] by rank: "
+    fp32, fp64 = "torch.float32", "torch.float64"
     for rank, (_, errors) in enumerate(per_rank):
-        unfit = [f"q, k and v do not fit together on ring rank 1{mine if rank == 1 else ''}; want q [B, L, Hq, D] and "
-                 f"k, v [B, L, Hkv, D] of one dtype, Hq a multiple of Hkv" for mine in (
-                     " (this rank: q (1, 8, 4, 8) torch.float32, k (1, 8, 2, 4) torch.float32, v (1, 8, 2, 4) "
-                     "torch.float32)",
-                     " (this rank: q (1, 8, 4, 8) torch.float32, k (1, 8, 2, 8) torch.float64, v (1, 8, 2, 8) "
-                     "torch.float64)",
-                     " (this rank: q (1, 8, 4, 8) torch.float32, k (1, 8, 2) torch.float32, v (1, 8, 2) "
-                     "torch.float32)")]
+        unfit = [f"{by_rank}0: [1, 8, 4, 8, 2, {fp32}]; 1: unfit; 2: [1, 8, 4, 8, 2, {fp32}])"
+                 f"{mine if rank == 1 else ''}{want}" for mine in (
+                     f" (this rank: q (1, 8, 4, 8) {fp32}, k (1, 8, 2, 4) {fp32}, v (1, 8, 2, 4) {fp32})",
+                     f" (this rank: q (1, 8, 4, 8) {fp32}, k (1, 8, 2, 8) {fp64}, v (1, 8, 2, 8) {fp64})",
+                     f" (this rank: q (1, 8, 4, 8) {fp32}, k (1, 8, 2) {fp32}, v (1, 8, 2) {fp32})",
+                     f" (this rank: q (1, 8, 4, 8) {fp32}, k (1, 8, 2, 8) {fp32}, v (1, 8, 2, 8) {fp32}, sinks (3,) "
+                     f"{fp32})")]
         assert errors == [
-            "the ranks of the ring hold inputs of different tokens: 10 on rank 0, 12 on rank 1, 12 on rank 2; each "
-            "must hold the same number of tokens of the same batch (shard_for_sp cuts them so)",
-            "the ranks of the ring hold inputs of different dtype: torch.float32 on rank 0, torch.float64 on rank 1, "
-            "torch.float64 on rank 2; each must hold the same number of tokens of the same batch (shard_for_sp cuts "
-            "them so)",
-            "layout=None: a ring of 3 ranks needs the layout its tokens were sharded in, 'zigzag' "
-            "(ulysses.shard_for_sp with a ring group) or 'contiguous'"] + [
-            "layout: the ring's 3 ranks hold positions that are not a layout of its 24 tokens: each rank's must rise "
-            "along each row, and together hold each position once (as shard_for_sp's token_index does)"] * 2 + unfit
+            f"{by_rank}0: [1, 10, 4, 8, 4, {fp32}]; 1: [1, 12, 4, 8, 4, {fp32}]; 2: [1, 12, 4, 8, 4, {fp32}]){want}",
+            f"{by_rank}0: [1, 12, 4, 8, 4, {fp32}]; 1: [1, 12, 4, 8, 4, {fp64}]; 2: [1, 12, 4, 8, 4, {fp64}]){want}",
+            "layout=None: a ring of 3 ranks needs the layout its tokens were sharded in: 'zigzag' (shard_for_ring), "
+            "'contiguous', or each token's position [B, L], with position_ids"] + unfit
 
 
 def _large_scores(seed=2):
@@ -341,12 +418,12 @@ def _sinks_rank(rank, P, cases):
             if attention == "ring compiled":
                 attend = torch.compile(attend, backend="aot_eager", fullgraph=True)
         elif attention == "ulysses":  # ring attention of one rank as the kernel, on this rank's heads
-            index = my_tokens(24, world)
+            index = my_tokens(24, world, None)
             attend = partial(ulysses.ulysses_attention, group=world, attn_fn=partial(
                 ring.ring_attention, window=window, fused=fused, position_ids=PACKED_POSITIONS if packed else None))
         else:
             index = my_tokens(24, ulysses_group, ring_group)
-            positions = ulysses.gather_sequence(PACKED_POSITIONS[:, index], ulysses_group)  # my ring rank's
+            positions = documents.gather_sequence(PACKED_POSITIONS[:, index], ulysses_group)  # my ring rank's
             attend = partial(ulysses.ulysses_attention, group=ulysses_group, attn_fn=partial(
                 ring.ring_attention, group=ring_group, layout="zigzag", window=window, fused=fused,
                 position_ids=positions if packed else None))
@@ -399,10 +476,10 @@ def _balance_rank(rank, P, U, R, cases):
     ulysses_group, ring_group = usp_groups(U, R)
     results = []
     for dtype, window, fused, min_chunk in cases:
-        ring.MIN_CHUNK = min_chunk
-        _, _, positions, index = ulysses.shard_for_sp(*[BALANCE_POSITIONS] * 3, ulysses_group, ring_group,
-                                                      ring.document_layout)
-        layout, ring_positions = (ulysses.gather_sequence(t, ulysses_group) for t in (index, positions))  # my ring's
+        documents.MIN_CHUNK = min_chunk
+        _, _, positions, index = ring.shard_for_ring(*[BALANCE_POSITIONS] * 3, ulysses_group, ring_group,
+                                                     documents.document_layout)
+        layout, ring_positions = (documents.gather_sequence(t, ulysses_group) for t in (index, positions))  # my ring's
         q, k, v, grad_out = (t.to(dtype)[torch.arange(2)[:, None], index].requires_grad_()  # (B, 24/P, heads, D)
                              for t in qkv(2, 24, 4, 2, 8))
         sinks = sink_logits(4, dtype).requires_grad_()
@@ -416,7 +493,7 @@ def _balance_rank(rank, P, U, R, cases):
 
 @pytest.mark.parametrize("U, R", [(1, 2), (1, 3), (2, 2), (1, 4)])
 def test_document_balance_matches_one_device(U, R):
-    """The per-document layout (shard_for_sp with balance="documents", each row its own) under a ring of R and
+    """The per-document layout (shard_for_ring with documents.document_layout, each row its own) under a ring of R and
     Ulysses x Ring, against one device's formula: output and the gradients of q, k, v and the sink logits, float64
     within 1e-12 and float32 within 1e-5, with a sliding window and attention sinks, fused and tiles; every
     document cut into 2R chunks (MIN_CHUNK 1), or every one dealt whole (MIN_CHUNK 8; on 3 ranks the longest fits

@@ -155,3 +155,11 @@ def tiled_lm_loss(head_fn, x, labels, params, n_tiles=None):
     token_loss, correct = sequence_tiled_compute(loss_and_correct, (x, labels), params,
                                                  n_tiles or default_tile_count(x))  # (B, S), (B, S)
     return token_loss.sum(), correct.sum()
+
+
+def kept_on(host):
+    """ALST's offload: what autograd saves for backward waits on `host` (torch.autograd.graph.save_on_cpu, for any
+    host device), copied out as it is saved (into pinned memory from a GPU) and back when backward needs it."""
+    def pack(t):
+        return t.device, torch.empty(t.shape, dtype=t.dtype, device=host, pin_memory=t.is_cuda).copy_(t)
+    return torch.autograd.graph.saved_tensors_hooks(pack, lambda packed: packed[1].to(packed[0], non_blocking=True))
