@@ -26,18 +26,17 @@ import subprocess
 import sys
 import tempfile
 import time
-import warnings
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 
-import launch
+import ring
 import train
 import ulysses
+from harness import launch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 if "OMP_NUM_THREADS" not in os.environ:  # one thread a process, this one and those it starts: the tests' models are
@@ -45,6 +44,7 @@ if "OMP_NUM_THREADS" not in os.environ:  # one thread a process, this one and th
     torch.set_num_threads(1)  # times as long (train.py then leaves the thread count alone)
 LIMIT = 240  # seconds a test may run, unless it says otherwise (@pytest.mark.limit): the longest takes 30 s idle
 GROUP_TIMEOUT = 60  # seconds a collective of the rank processes waits for its peers (gloo's default: 30 minutes)
+TICK = 10  # seconds between the lines of progress a running test writes
 
 
 # ================================================================================================================
@@ -61,7 +61,6 @@ def _worker(rank, world_size, port, fn, args, result_dir):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
     torch.set_num_threads(1)
-    warnings.filterwarnings("error", module="ulysses")  # a collective that gloo never let go of fails the test
     dist.init_process_group("gloo", rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=GROUP_TIMEOUT))
     result = fn(rank, world_size, *args)
@@ -146,8 +145,8 @@ def torchrun_patched(tmp_path, patch, argv, launcher=(), timeout=120):
     """train.py's main under torchrun on 2 ranks (launcher: torchrun's flags), after `patch` (Python source) ran on
     rank 1 alone. Returns (exit status, output, seconds)."""
     script = tmp_path / "patched_train.py"
-    script.write_text(f"import os, signal, sys, time\nsys.path.insert(0, {HERE!r})\nimport checkpoint, data, memory, "
-                      f"train\nif os.environ['RANK'] == '1':\n"
+    script.write_text(f"import os, signal, sys, time\nsys.path.insert(0, {HERE!r})\nimport data, train\n"
+                      f"from harness import checkpoint, memory\nif os.environ['RANK'] == '1':\n"
                       + "".join(f"    {line}\n" for line in patch.splitlines()) + "train.main()\n")
     return run(torchrun(2, *launcher)[:-1] + [str(script), *argv], timeout=timeout)
 
@@ -246,8 +245,8 @@ def summed(per_rank):
 
 def whole_sequence(parts, indices=None):
     """The full [B, S, ...] tensor from each rank's [B, S/P, ...] part: in rank order, or each part at its rank's
-    token indices, [S/P] (a ring's zigzag order; my_tokens) or [B, S/P] (each row its own: shard_for_sp's
-    token_index with balance="documents")."""
+    token indices, [S/P] (a ring's zigzag order; my_tokens) or [B, S/P] (each row its own: ring.shard_for_ring's
+    token_index with documents.document_layout)."""
     if indices is None:
         return torch.cat(parts, dim=1)
     B = parts[0].shape[0]
@@ -264,15 +263,6 @@ def attention_and_grads(q, k, v, grad_out, attn_fn=ulysses.causal_attention, **k
     out = attn_fn(q, k, v, **kwargs)
     out.backward(grad_out)
     return [out.detach(), q.grad, k.grad, v.grad]
-
-
-def plain_layer(x, qkv_weight, out_weight, n_head, n_kv_head, cos, sin, attn_fn=ulysses.causal_attention, **kwargs):
-    """One device: a transformer's attention layer as written, x [B, S, E] -> [B, S, E]: q, k, v from one matmul,
-    RoPE on q and k, attn_fn(q, k, v, **kwargs), the output matmul."""
-    B, S, _ = x.shape
-    q, k, v = F.linear(x, qkv_weight).view(B, S, n_head + 2 * n_kv_head, -1).split([n_head, n_kv_head, n_kv_head], 2)
-    q, k = ulysses.apply_rope(q, cos, sin), ulysses.apply_rope(k, cos, sin)
-    return F.linear(attn_fn(q, k, v, **kwargs).flatten(2), out_weight)
 
 
 def attention_formula(q, k, v, grad_out, window=None, position_ids=None, sinks=None):
@@ -300,11 +290,12 @@ def attention_formula(q, k, v, grad_out, window=None, position_ids=None, sinks=N
 
 
 def bytes_line(printed, what="all-to-all"):
-    """From train.py's summary, the line of `what` ("all-to-all", "ring", "context-parallel Gated DeltaNet"):
-    [bytes sent, the formula's bytes] and, where the line gives them, [calls forward, calls backward] per layer
-    and micro-step."""
-    line = re.search(rf"^{what} of rank 0 per step: ([\d,]+) bytes sent \(formula ([\d,]+) bytes: all layers "
-                     rf"and micro-steps, forward and backward\)"
+    """From train.py's summary, under its line that says what the bytes count, the line of `what` ("all-to-all",
+    "ring", "context-parallel Gated DeltaNet"): [bytes sent, the formula's bytes] and, where the line gives them,
+    [calls forward, calls backward] per layer and micro-step."""
+    said = r"^bytes rank 0 sent in one optimizer step, all \d+ layers and \d+ micro-steps?, forward and backward"
+    assert re.search(said, printed, re.M), f"no line says what the bytes count in: {printed}"
+    line = re.search(rf"^  {what}: ([\d,]+) \(formula ([\d,]+)\)"
                      rf"(?:; \w+ per layer per micro-step: ([\d.]+) forward, ([\d.]+) backward)?$", printed, re.M)
     assert line, f"no {what} line in: {printed}"
     return [float(n.replace(",", "")) for n in line.groups() if n is not None]
@@ -315,9 +306,11 @@ def bytes_line(printed, what="all-to-all"):
 
 
 def my_tokens(S, group, ring_group=None):
-    """The global indices of this rank's tokens of a sequence of S, in the order shard_for_sp gives them (with a
-    ring group, the zigzag order): [S/P]."""
-    return ulysses.shard_for_sp(*[torch.arange(S)[None]] * 3, group, ring_group)[0][0]
+    """The global indices of this rank's tokens of a sequence of S, in the order ulysses.shard_for_sp gives them
+    (with a ring group, ring.shard_for_ring's zigzag order): [S/P]."""
+    full = [torch.arange(S)[None]] * 3  # input ids, labels, positions: (1, S)
+    shards = ulysses.shard_for_sp(*full, group) if ring_group is None else ring.shard_for_ring(*full, group, ring_group)
+    return shards[0][0]
 
 
 def sp_slice(full, rank, world_size, dim=1):
@@ -394,10 +387,12 @@ def pytest_runtest_call(item):
     """The test's time limit (SIGALRM interrupts whatever the test waits on: a rank, a subprocess, a sleep), and
     the end of every process it started, pass or fail.
 
-    Every 10 s of a test, how long it has run, on the terminal (after its name with -v): a multi-rank test takes
-    up to half a minute here, and the suite should never sit silent that long. The thread lives inside the test's
-    call, while pytest captures its output, and lifts the capture for the moment it writes, as pytest's own live
-    logging does; what the test prints in that moment reaches the terminal instead."""
+    Every TICK seconds of a test, how long it has run, on the terminal (after its name with -v): a multi-rank test
+    takes up to half a minute here, and the suite should never sit silent that long. The thread lives inside the
+    test's call, while pytest captures its output, and lifts the capture for the moment it writes, as pytest's own
+    live logging does; what the test prints in that moment reaches the terminal instead. Lifting the capture and
+    putting it back sets sys.stdout and sys.stderr anew, so a test's own redirect of them (train_rank's) is put back
+    after."""
     marker = item.get_closest_marker("limit")
     limit = marker.args[0] if marker else LIMIT
 
@@ -414,11 +409,13 @@ def pytest_runtest_call(item):
         start = time.monotonic()
 
         def tick():
-            if time.monotonic() - start >= 10:  # not at the start
+            if time.monotonic() - start >= TICK:  # not at the start
+                streams = sys.stdout, sys.stderr  # pytest's capture, or the test's own redirect of it
                 with capture.global_and_fixture_disabled():
                     reporter.write(f" {time.monotonic() - start:.0f} s", flush=True)
+                sys.stdout, sys.stderr = streams
 
-        with launch.repeating(tick, 10):
+        with launch.repeating(tick, TICK):
             return (yield)
     finally:
         signal.alarm(0)

@@ -1,7 +1,7 @@
 """
-Tests of bench.py's attention baselines against one device: what `python bench.py attention` times against
-ulysses_attention and the attention layer computes the same attention and sends the bytes of its formula; the
-copies it counts. What `python bench.py balance` reports: per-document balance of a packed mix against zigzag's.
+Tests of the benchmarks' baselines against one device: what `python -m harness.bench attention` times against
+ulysses_attention computes the same attention and sends the bytes of its formula; the copies it counts. What
+`python -m harness.bench balance` reports: per-document balance of a packed mix against zigzag's.
 """
 
 import pytest
@@ -9,11 +9,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-import bench
-from bench import CopiedBytes
-import ring
-import ulysses
-from conftest import assert_all_close, attention_and_grads, plain_layer, qkv, run_ranks, sp_slice, whole_sequence
+import documents
+from conftest import assert_all_close, attention_and_grads, qkv, run_ranks, sp_slice, whole_sequence
+from harness import bench
+from harness.bench import CopiedBytes
 
 
 BASELINE = dict(S=24, Hq=8, Hkv=4, D=8)  # (c) needs P to divide both head counts
@@ -25,21 +24,20 @@ def _baselines_rank(rank, world_size):
         for baseline in (bench.three_all_to_alls, bench.gathered_kv):
             q, k, v, grad_out = (sp_slice(t, rank, world_size) for t in qkv(B, *BASELINE.values()))
             q, k, v = (t.requires_grad_() for t in (q, k, v))
-            ulysses.reset_all_to_all_stats()
-            bench.gather_stats["bytes"] = 0
+            bench.sent_stats["bytes"] = 0
             with CopiedBytes() as copied:
                 out = baseline(q, k, v, dist.group.WORLD)
                 out.backward(grad_out)
-            sent = bench.gather_stats["bytes"] + sum(c["bytes"] for c in ulysses.all_to_all_stats.values())
+            sent = bench.sent_stats["bytes"]
             results.append(((out.detach(), q.grad, k.grad, v.grad), sent, copied.bytes))
     return results
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_benchmark_baselines_match_one_device(world_size):
-    """What python bench.py attention times against ulysses_attention computes the same attention: (c) q, k and
-    v in three all-to-alls and (d) all-gathered k and v, output and dq, dk, dv against one device, B = 1 and 2,
-    each sending the bytes of its formula."""
+    """What python -m harness.bench attention times against ulysses_attention computes the same attention: (c) q, k
+    and v in three all-to-alls with DeepSpeed's copies and (d) all-gathered k and v, output and dq, dk, dv against
+    one device, B = 1 and 2, each sending the bytes of its formula."""
     per_rank = run_ranks(world_size, _baselines_rank)
     P, (S, Hq, Hkv, D) = world_size, BASELINE.values()
     for i, (B, name) in enumerate((B, name) for B in (1, 2) for name in ("(c)", "(d)")):
@@ -49,41 +47,12 @@ def test_benchmark_baselines_match_one_device(world_size):
         formula = {"(c)": 2 * (Hq + 2 * Hkv + Hq) * head * (P - 1) // P,  # (P-1)/P of q, k, v and out, both ways
                    "(d)": 4 * Hkv * head * (P - 1)}[name]  # k and v to every other rank, their gradients back
         assert [r[i][1] for r in per_rank] == [formula] * P, f"{name} B={B}"
-        if name == "(d)":  # B = 1: the gathered tokens land in order, and gloo's own copies are not counted; B = 2:
-            copies = 4 * Hkv * head * P  # each row's tokens put in order, of k and v and of their gradients
-            assert [r[i][2] for r in per_rank] == [copies * (B - 1)] * P, f"{name} B={B}"
-
-
-
-def _layer_inputs():
-    g = torch.Generator().manual_seed(3)
-    x, grad_out = torch.randn(1, 24, 64, generator=g), torch.randn(1, 24, 64, generator=g)
-    qkv_weight, out_weight = torch.randn(128, 64, generator=g) / 8, torch.randn(64, 64, generator=g) / 8
-    return (x, qkv_weight, out_weight, grad_out), ulysses.rope_cos_sin(torch.arange(24)[None], 8, 10000.0)
-
-
-def _layer_rank(rank, world_size):
-    (x, qkv_weight, out_weight, grad_out), (cos, sin) = _layer_inputs()
-    x, grad_out, cos, sin = (sp_slice(t, rank, world_size) for t in (x, grad_out, cos, sin))
-    leaves = [t.requires_grad_() for t in (x, qkv_weight, out_weight)]
-    out = bench.three_call_layer(*leaves, 8, 4, dist.group.WORLD, ulysses.causal_attention, cos, sin)
-    out.backward(grad_out)
-    return [out.detach(), *(t.grad for t in leaves)]
-
-
-@pytest.mark.parametrize("world_size", [2, 4])
-def test_benchmark_layer_on_three_calls_matches_one_device(world_size):
-    """(f), against which python bench.py attention times the model's layer (e), computes the layer: its output
-    and the gradients of x and of both weights (summed over ranks) equal the layer's on one device (8 heads, 4 kv
-    heads)."""
-    per_rank = run_ranks(world_size, _layer_rank)
-    (x, qkv_weight, out_weight, grad_out), (cos, sin) = _layer_inputs()
-    leaves = [t.requires_grad_() for t in (x, qkv_weight, out_weight)]
-    out = plain_layer(*leaves, 8, 4, cos, sin)
-    out.backward(grad_out)
-    got = [torch.cat([r[0] for r in per_rank], dim=1), torch.cat([r[1] for r in per_rank], dim=1),
-           sum(r[2] for r in per_rank), sum(r[3] for r in per_rank)]
-    assert_all_close(got, [out, *(t.grad for t in leaves)])
+        # (c), as DeepSpeed: each of q, k, v and out, and of their gradients, copied into the send buffer, and the
+        # pieces received joined by one more copy unless B = 1. (d): with B = 1 the gathered tokens land in order
+        # (gloo's own copies are not counted); with B = 2 each row's tokens are put in order, of k, v and their
+        # gradients
+        copies = {"(c)": (1 + (B > 1)) * 2 * (2 * Hq + 2 * Hkv) * head, "(d)": (B - 1) * 4 * Hkv * head * P}[name]
+        assert [r[i][2] for r in per_rank] == [copies] * P, f"{name} B={B}"
 
 
 def test_copied_bytes_counts_copies_and_nothing_else():
@@ -109,14 +78,14 @@ def test_copied_bytes_counts_copies_and_nothing_else():
 
 
 def test_document_layout_balances_a_long_document():
-    """bench.py balance's row: one document holds 60% of the 4,096 tokens and the rest are short. The per-document
-    layout gives each ring rank S/R tokens, rising, every token once, and causal work (query-key pairs) within 1.05x
-    of the mean at R = 2 and 4, where zigzag's busiest rank does 1.68x (it holds the long document's middle). A
-    layout that cut the row zigzag's way, blind to where documents start, fails here."""
+    """python -m harness.bench balance's row: one document holds 60% of the 4,096 tokens and the rest are short. The
+    per-document layout gives each ring rank S/R tokens, rising, every token once, and causal work (query-key pairs)
+    within 1.05x of the mean at R = 2 and 4, where zigzag's busiest rank does 1.68x (it holds the long document's
+    middle). A layout that cut the row zigzag's way, blind to where documents start, fails here."""
     positions = bench.long_document_mix(4096)  # (1, S)
     for R in (2, 4):
         layouts = bench.balance_layouts(positions, R)  # (1, R, S/R) each
-        balanced, zigzag = (ring.document_work(positions, layouts[name]) for name in ("documents", "zigzag"))
+        balanced, zigzag = (documents.document_work(positions, layouts[name]) for name in ("documents", "zigzag"))
         assert layouts["documents"].shape == (1, R, 4096 // R) and (layouts["documents"].diff(dim=-1) > 0).all()
         assert sorted(layouts["documents"].flatten().tolist()) == list(range(4096))
         assert sum(balanced) == sum(zigzag)

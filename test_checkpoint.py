@@ -15,10 +15,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import checkpoint
 import train
 from conftest import (PARAGRAPHS, SHORT_RUN, assert_all_close, assert_same_training, exit_statuses, run_ranks,
                       torchrun_patched, train_rank)
+from harness import checkpoint
 
 
 RESUME_ARGS = ["--steps", "8", "--save-every", "4", "--n-layer", "2", "--n-embd", "32", "--seq-len", "32"]

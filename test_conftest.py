@@ -1,6 +1,7 @@
 """
 Tests of the harness in conftest.py: a test that hangs fails at its time limit, and every process it started
-ends with it, those its processes started in sessions of their own (as torchrun starts its workers) included.
+ends with it, those its processes started in sessions of their own (as torchrun starts its workers) included; the
+progress line a long test writes leaves what the test prints where the test sends it.
 """
 
 import os
@@ -10,8 +11,9 @@ import sys
 from conftest import HERE, run
 
 HANGING = '''
-import os, sys, time
+import contextlib, io, os, sys, time
 import pytest
+import conftest
 from conftest import run_ranks, start
 
 WORKER = """
@@ -46,20 +48,34 @@ def test_a_launcher_whose_worker_hangs():
                       f"subprocess.Popen([sys.executable, '-c', {WORKER!r}]); time.sleep(1000)"])
     open(os.path.join(os.environ["PIDS"], "launcher"), "w").write(str(launcher.pid))
     launcher.wait()
+
+
+@pytest.fixture
+def ticking(monkeypatch):  # set before the test's call starts its progress line
+    monkeypatch.setattr(conftest, "TICK", 0.05)
+
+
+def test_what_a_test_prints_into_its_own_stdout_stays_there(ticking):
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):  # as train_rank does
+        time.sleep(0.5)  # the progress line is written meanwhile, several times
+        print("printed")
+    assert printed.getvalue() == "printed\\n"
 '''
 
 
 def test_a_hanging_test_fails_at_its_limit_and_its_processes_end(tmp_path):
     """Two tests that hang, limited to 2 s: rank processes asleep in run_ranks, and a launcher whose worker, in a
     session of its own, sleeps. Each fails once its 2 s are up, naming its limit, and when they have failed no
-    process either started is running."""
+    process either started is running. Beside them, a test that redirects its stdout while the progress line is
+    written keeps what it printed."""
     (tmp_path / "test_hanging.py").write_text(HANGING)
     pids = tmp_path / "pids"
     pids.mkdir()
     status, output, _ = run([sys.executable, "-m", "pytest", "-p", "conftest", "-p", "no:cacheprovider", "-q",
                              "--durations=0", "test_hanging.py"], cwd=tmp_path, timeout=60,
                             env=dict(os.environ, PYTHONPATH=HERE, PIDS=str(pids)))
-    assert status == 1 and "2 failed, 1 passed" in output, output[-3000:]
+    assert status == 1 and "2 failed, 2 passed" in output, output[-3000:]
     for name in ("test_ranks_that_hang", "test_a_launcher_whose_worker_hangs"):
         assert f"{name} ran past its limit of 2 s; its processes are ended" in output, output[-3000:]
         seconds = float(re.search(rf"^([\d.]+)s call +test_hanging.py::{name}$", output, re.M).group(1))

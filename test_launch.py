@@ -19,12 +19,11 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-import bench
-import launch
 import train
 from conftest import (HERE, PARAGRAPHS, SHORT_RUN, children, exit_statuses, free_port, run, start, start_long_run,
                       torchrun, torchrun_patched)
 from gpt import GPT, GPTConfig
+from harness import bench, launch
 
 
 @pytest.mark.parametrize("world_size, argv, message", [
@@ -85,12 +84,13 @@ def test_bad_input_is_refused(monkeypatch, tmp_path, world_size, argv, message):
     assert not dist.is_initialized()
 
 
-@pytest.mark.parametrize("script, argv", [("train.py", []), ("bench.py", []), ("bench.py", ["attention"]),
-                                          ("bench.py", ["ring"])], ids=["train", "bench", "bench attention", "bench ring"])
+@pytest.mark.parametrize("script, argv", [("train.py", []), ("bench", []), ("bench", ["attention"]),
+                                          ("bench", ["ring"])], ids=["train", "bench", "bench attention", "bench ring"])
 def test_help_shows_the_defaults(capsys, script, argv):
-    """`python X.py --help` answers at once, exit 0, with every default that a flag has."""
+    """`python train.py --help` and `python -m harness.bench [CMD] --help` answer at once, exit 0, with every
+    default that a flag has."""
     with pytest.raises(SystemExit, match="^0$"):
-        {"train.py": train.main, "bench.py": bench.main}[script](argv + ["--help"])
+        {"train.py": train.main, "bench": bench.main}[script](argv + ["--help"])
     printed = capsys.readouterr().out
     if script == "train.py":
         for flag, default in (("--seq-len", "128"), ("--steps", "600"), ("--batch-size", "8"), ("--n-embd", "128"),
@@ -98,8 +98,15 @@ def test_help_shows_the_defaults(capsys, script, argv):
                               ("--device", "cuda" if torch.cuda.is_available() else "cpu")):
             text = re.search(rf"\n  {flag} (.*?)(?=\n  -|\Z)", printed, re.S).group(1)  # the flag's help
             assert f"(default: {default})" in " ".join(text.split()), flag
-    else:  # bench.py lists its benchmarks; each of them, its flags
+    else:  # bench lists its benchmarks; each of them, its flags
         assert "(default: " in printed if argv else "attention,tiled" in printed
+
+
+def test_the_benchmarks_start_from_the_repository_root():
+    """`python -m harness.bench CMD`, as every usage line gives it, run from the repository's root: the harness and
+    the concept files it measures import by their names, and its help answers, exit 0."""
+    status, output, _ = run([sys.executable, "-m", "harness.bench", "attention", "--help"])
+    assert status == 0 and "--kernel {sdpa,copy}" in output, output[-3000:]
 
 
 def failed_alike(output, status):
@@ -245,7 +252,7 @@ def test_checkpoints_that_one_node_lacks_fail_both_nodes(tmp_path, one_rank, nod
                      "every rank sees, on a file system the nodes share"}[node1]
     for status, output in nodes[:1] if node1 == "older" else nodes:  # a mistake every rank finds: rank 0 says it
         assert status != 0 and output.count(line) == 1, output[-3000:]
-    ours = re.compile(rf'File "{re.escape(HERE)}/\w+\.py"')  # a traceback through this project's files
+    ours = re.compile(rf'File "{re.escape(HERE)}/(harness/)?\w+\.py"')  # a traceback through this project's files
     assert all(status != 0 and not ours.search(output) for status, output in nodes) and seconds < 30, nodes
 
 

@@ -14,10 +14,9 @@ from unittest.mock import patch
 import pytest
 import torch
 
-import launch
-import memory
 import train
 from conftest import HERE, bytes_line, run_ranks, train_rank
+from harness import launch, memory
 
 
 PREDICTION_ERROR = 0.08  # BENCHMARKS: "the tests hold ... to 8%"
@@ -159,10 +158,11 @@ def test_ring_bytes_and_memory():
 
 def test_memory_prediction_counts_sinks_and_the_ring_layout():
     """A packed Ulysses 2 x ring 2 run with attention sinks, 4,096 tokens, balanced per document: predicted within
-    20% of its measured peak, as for any ring run (test_ring_bytes_and_memory: the ring's own buffers). The sink logits are parameters (without ZeRO, 12 bytes of state each: the weight and
-    AdamW's two moments). Packing under the ring adds to the activations the Ulysses group's copy of the layout
-    and, on CPU, what each of the 2 softmax layers keeps: every ring token's document and position, 8 bytes each
-    (with U = 2 and 4 ranks: 8 x (2 + 2 x 4 x 2) = 144 bytes a local token)."""
+    20% of its measured peak, as for any ring run (test_ring_bytes_and_memory: the ring's own buffers). The sink
+    logits are parameters (without ZeRO, 12 bytes of state each: the weight and AdamW's two moments). Packing under
+    the ring adds to the activations the Ulysses group's copy of the layout and, on CPU, what each of the 2 softmax
+    layers keeps: every ring token's document and position, 8 bytes each (with U = 2 and 4 ranks: 8 x (2 + 2 x 4 x
+    2) = 144 bytes a local token)."""
     argv = ["--sp", "4", "--ring", "2", "--seq-len", "4096", "--pack", "--sinks"]
     per_rank = run_ranks(4, train_rank, [argv + ["--steps", "2", "--batch-size", "1"]])
     _assert_predicted(argv, 4, max(rank[0][0][-1]["peak_bytes"] for rank in per_rank), error=0.2)

@@ -19,10 +19,10 @@ import pytest
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-import checkpoint
 import train
 import zero3
 from conftest import assert_all_close, assert_same_training, bytes_line, run, run_ranks, torchrun, train_rank
+from harness import checkpoint
 
 
 # Two steps of warmup: AdamW's first update is about lr * sign(gradient), so at the full learning rate a weight
@@ -33,7 +33,7 @@ TRAIN_ARGS = ["--steps", "4", "--warmup", "2", "--n-layer", "2", "--n-embd", "32
 GDN_SHAPE = ["--gdn-k-heads", "2", "--gdn-v-heads", "4", "--gdn-v-dim", "12"]
 LAYOUTS = {  # each with a global batch of 8 sequences: dp * batch-size * grad-accum
     "sp4": ["--sp", "4", "--batch-size", "8"],  # --zero 3 is the default with 4 ranks
-    # one sequence a micro-step: gpt.py's layer takes its own path (ulysses.attention_layer), with each sharding
+    # one sequence a micro-step, with each sharding
     "dp2xsp2 accum": ["--sp", "2", "--batch-size", "1", "--grad-accum", "4"],
     "dp2xsp2 zero0": ["--sp", "2", "--batch-size", "4", "--zero", "0"],
     "dp2xsp2 fsdp2": ["--sp", "2", "--batch-size", "1", "--grad-accum", "4", "--zero", "fsdp2"],
@@ -49,8 +49,8 @@ def _final_weights(out_dir):
                          ids=["seq64", "seq101-kv1"])
 def test_training_is_the_same_for_every_layout(extra, tmp_path):
     """Same global batch, same training: sp, dp x sp, gradient accumulation, ZeRO-3, plain all-reduce, FSDP2,
-    tiles and recomputation all give the one-process losses, gradient norms and final weights. With one kv head
-    the sp 2 layouts at one sequence a micro-step take the layer's own path with the kv head on both ranks."""
+    tiles and recomputation all give the one-process losses, gradient norms and final weights. With one kv head,
+    both ranks of an sp 2 layout get it, and its gradient is the sum of theirs."""
     one_process = ["--sp", "1", "--batch-size", "8"] + TRAIN_ARGS + extra + ["--out-dir", str(tmp_path / "one")]
     [(reference, _)] = run_ranks(1, train_rank, [one_process])[0]
     out_dirs = {name: tmp_path / name.replace(" ", "_") for name in LAYOUTS}
@@ -79,7 +79,20 @@ def test_training_with_uneven_heads(kv, all_to_all):
     [(history, printed)] = run_ranks(4, train_rank, [argv + ["--sp", "4"]])[0]
     assert_same_training(history, reference, f"6 heads, {kv} kv heads, sp 4")
     assert "query heads per Ulysses rank [2, 2, 1, 1]: the busiest rank does 1.33x the mean attention work" in printed
-    assert bytes_line(printed) == [all_to_all, all_to_all, 2, 2]  # one all-to-all each way and direction
+    assert bytes_line(printed) == [all_to_all, all_to_all, 4, 4]  # q, k, v and the output, one call each, each way
+
+
+def test_the_bytes_line_counts_every_micro_step_and_the_recomputed_forward():
+    """The summary's byte lines count a whole optimizer step, as their first line says: --grad-accum 2 with
+    --recompute on sp 2, by hand: a micro-step's tensor on a rank is 4 x 32/2 tokens x 32 x 4 bytes = 8,192 bytes, of
+    which each all-to-all sends half; 4 a layer forward, run twice (--recompute runs it again in backward), 4
+    backward: 2 micro-steps * 2 layers * (2 * 4 + 4) * 4,096 = 196,608 bytes; calls a layer and micro-step: 8
+    forward, 4 backward."""
+    argv = TRAIN_ARGS + ["--seq-len", "32", "--sp", "2", "--batch-size", "4", "--grad-accum", "2", "--recompute"]
+    [(_, printed)] = run_ranks(2, train_rank, [argv])[0]
+    assert ("bytes rank 0 sent in one optimizer step, all 2 layers and 2 micro-steps, forward and backward; the "
+            "forward twice, as --recompute runs it again in backward:") in printed, printed
+    assert bytes_line(printed) == [196608, 196608, 8, 4]
 
 
 @pytest.mark.parametrize("world_size, layout, model", [
@@ -188,9 +201,9 @@ def test_bf16_training_matches_one_device(tmp_path):
 
 def test_bf16_loss_follows_float32(text_file):
     """50 steps on text, bf16 against float32, a hybrid model on one process (Gated DeltaNet with a key head for
-    every two value heads, value dim 12): the loss falls from 5.55 to about 1.8 nats in both, and the curves never part by
-    more than 0.01 nats (bf16 rounding moves a step's loss by about 1e-4 of itself; AdamW's updates let that grow
-    a little over the steps)."""
+    every two value heads, value dim 12): the loss falls from 5.55 to about 1.8 nats in both, and the curves never
+    part by more than 0.01 nats (bf16 rounding moves a step's loss by about 1e-4 of itself; AdamW's updates let that
+    grow a little over the steps)."""
     argv = ["--data", str(text_file), "--seq-len", "64", "--steps", "50", "--n-embd", "32", "--lr", "3e-3",
             "--layer-pattern", "da"] + GDN_SHAPE
     float32, bf16 = ([r["loss"] for r in train.main(argv + ["--dtype", dtype])] for dtype in ("float32", "bfloat16"))
@@ -206,15 +219,15 @@ def test_bf16_loss_follows_float32(text_file):
 def test_compiled_training_inductor(world_size, layout, what, sent):
     """--compile (each block through inductor, ZeRO-3's hooks eager) trains as eager does: same losses, gradient
     norms and accuracy, also with a ring, whose passes are an operator in the graph (slow: inductor compiles the
-    blocks on every rank). Compiled, q, k and v still travel in one all-to-all and the output in one more (a
-    ring: a block forward, the block and two accumulators backward), with the bytes counted by hand: each
-    all-to-all sends half of a rank's [8, 16, 32] float32 tensor, a ring step all of its key/value block. Every rank
+    blocks on every rank). Compiled, q, k, v and the output still travel in one all-to-all each (a ring: a block
+    forward, the block and two accumulators backward), with the bytes counted by hand: each all-to-all sends half
+    of a rank's [8, 16, 32] float32 tensor, a ring step all of its key/value block. Every rank
     computes on tensors of the same shapes in all three, so that the kernels inductor compiles for the first are in
     its cache for the others."""
     argv = TRAIN_ARGS + ["--seq-len", "32"] + layout
     (eager, eager_printed), (compiled, printed) = run_ranks(world_size, train_rank, [argv, argv + ["--compile"]])[0]
     assert_same_training(compiled, eager, f"--compile on {world_size} ranks")
-    calls = [2, 2] if what == "all-to-all" else [1, 3]
+    calls = [4, 4] if what == "all-to-all" else [1, 3]
     assert bytes_line(printed, what) == bytes_line(eager_printed, what) == [sent, sent, *calls]
 
 
@@ -233,7 +246,7 @@ def test_torchrun_train_exits_zero(tmp_path):
     status, output, _ = run(torchrun(2) + ["--steps", "3", "--seq-len", "32", "--n-embd", "32", "--metrics",
                                            str(metrics)])
     assert status == 0, output[-2000:]
-    assert bytes_line(output) == [131072, 131072, 2, 2]
+    assert bytes_line(output) == [131072, 131072, 4, 4]
     assert [json.loads(line)["step"] for line in metrics.read_text().splitlines()] == [1, 2, 3]
 
 

@@ -7,10 +7,10 @@ together, is the whole model and loads onto 2 ranks exactly.
 import torch
 import torch.distributed as dist
 
-import checkpoint
 import zero3
 from conftest import assert_all_close, run_ranks, zero_batch
 from gpt import GPT, GPTConfig
+from harness import checkpoint
 
 
 ZERO_CFG = GPTConfig(vocab_size=255, n_layer=2, n_head=3, n_kv_head=3, n_embd=30)  # on 4 ranks a unit needs padding
@@ -86,4 +86,5 @@ def test_zero3_shards_and_checkpoint_pieces():
         torch.testing.assert_close(rank_logits, expected, rtol=0, atol=1e-5)
         assert scalars == {"step": 1.0}
     for key in ("param", "exp_avg", "exp_avg_sq"):
-        assert_all_close(checkpoint.whole([pieces for pieces, _, _ in two], key), checkpoint.whole(stored, key), rtol=0, atol=0)
+        assert_all_close(checkpoint.whole([pieces for pieces, _, _ in two], key), checkpoint.whole(stored, key),
+                         rtol=0, atol=0)

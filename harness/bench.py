@@ -1,27 +1,27 @@
 """
 Every measurement of the project, one sub-command per topic of BENCHMARKS.md. Measuring lives here, never in the files
-that teach a concept, so those read as their lesson.
+that teach a concept, so those read as their lesson. Run it from the repository's root:
 
-    python bench.py attention   # one attention layer: ulysses_attention against the kernel alone, three
-                                # all-to-alls (DeepSpeed's DistributedAttention) and all-gathered k, v; weak scaling;
-                                # --check-cost: what ulysses_attention's input check costs a call
-    python bench.py tiled       # what sequence tiling saves in the MLP and the loss (tiled.py)
-    python bench.py deltanet    # the gated delta rule, chunked against the token-by-token recurrence; the layer
-                                # under SP, Ulysses against context parallelism (deltanet.py)
-    python bench.py memory      # train.py's predicted peak memory per rank against the measured one
-    python bench.py plans       # ALST's table: Llama-3-8B's longest sequence on 1, 8 and 32 GPUs, by the predictor
-                                # and by train.py --plan --dry-run; the peaks at ALST's lengths; the picture
-    python bench.py compile     # train.py eager against --compile: the first step (which compiles) and the rest
-    python bench.py ring        # Ulysses, ring and Ulysses x Ring on the same ranks: time, bytes, calls, memory;
-                                # the ring's fused block kernel against its einsum tiles and one process's SDPA;
-                                # causal work per rank, contiguous against zigzag
-    python bench.py balance     # packed documents under a ring: each rank's causal work and the step time,
-                                # zigzag against per-document balance (ring.document_layout)
-    python bench.py gpu         # on a CUDA GPU: the ring's block kernel and ulysses_attention against SDPA, the
-                                # chunked gated delta rule against FLA's Triton kernel
+    python -m harness.bench attention  # one attention layer: ulysses_attention against the kernel alone, three
+                                       # all-to-alls (DeepSpeed's DistributedAttention) and all-gathered k, v; weak
+                                       # scaling; --check-cost: what ulysses_attention's input check costs a call
+    python -m harness.bench tiled      # what sequence tiling saves in the MLP and the loss (tiled.py)
+    python -m harness.bench deltanet   # the gated delta rule, chunked against the token-by-token recurrence; the
+                                       # layer under SP, Ulysses against context parallelism (deltanet.py)
+    python -m harness.bench memory     # train.py's predicted peak memory per rank against the measured one
+    python -m harness.bench plans      # ALST's table: Llama-3-8B's longest sequence on 1, 8 and 32 GPUs, by the
+                                       # predictor and by train.py --plan --dry-run; the peaks at ALST's lengths
+    python -m harness.bench compile    # train.py eager against --compile: the first step (which compiles), the rest
+    python -m harness.bench ring       # Ulysses, ring and Ulysses x Ring on the same ranks: time, bytes, calls,
+                                       # memory; the ring's fused block kernel against its einsum tiles and one
+                                       # process's SDPA; causal work per rank, contiguous against zigzag
+    python -m harness.bench balance    # packed documents under a ring: each rank's causal work and the step time,
+                                       # zigzag against per-document balance
+    python -m harness.bench gpu        # on a CUDA GPU: the ring's block kernel and ulysses_attention against SDPA,
+                                       # the chunked gated delta rule against FLA's Triton kernel
 
-Multi-rank measurements start their own gloo processes on this machine; `python bench.py CMD --help` lists the
-options of each.
+Multi-rank measurements start their own gloo processes on this machine; `python -m harness.bench CMD --help` lists
+the options of each.
 """
 
 import argparse
@@ -48,16 +48,16 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.utils._python_dispatch import TorchDispatchMode
 from tqdm import tqdm
 
+import deltanet as gdn
+import documents
 import gpt
-import launch
-import memory
 import ring
 import ulysses
-import deltanet as gdn
+from harness import launch, memory
 from tiled import tiled_lm_loss, tiled_mlp
 from zero3 import all_gather, reduce_scatter
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository's, where train.py is
 
 
 def _rank_main(rank, P, port, fn, args, results):
@@ -123,33 +123,51 @@ def median_seconds(run, repetitions):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# python bench.py attention: one attention layer, forward + backward, against what else could carry it
+# python -m harness.bench attention: one attention layer, forward + backward, against what else could carry it
 #
-# (a) the kernel alone on the full sequence for H/P heads, the floor; with 4 barriers: (a) plus a barrier wherever
-#     (b) has an all-to-all, the price of synchronization alone;
-# (b) ulysses_attention: q, k and v in one all-to-all;
-# (c) q, k and v in three all-to-alls, with the copies DeepSpeed's DistributedAttention makes: ulysses.all_to_all;
-# (d) every rank all-gathers k and v and attends with its own queries; backward reduce-scatters dk and dv;
-# (e) the model's layer, projections and RoPE included: ulysses.attention_layer, as gpt.py runs it;
-# (f) the same layer on (c): projections, RoPE and three all-to-alls, as a model written on them would run.
+# (a) the kernel alone on the full sequence for H/P heads, the floor; with 4 barriers: (a) plus a barrier before
+#     and after the kernel, forward and backward, the price of synchronization alone;
+# (b) ulysses_attention, as gpt.py runs it;
+# (c) q, k and v in three all-to-alls, with the copies DeepSpeed's DistributedAttention makes;
+# (d) every rank all-gathers k and v and attends with its own queries; backward reduce-scatters dk and dv.
 # Each is timed, and its bytes sent, its bytes copied outside the collective and its peak memory are counted.
 
-gather_stats = {"bytes": 0}  # what (d) has sent; the others count theirs in ulysses.all_to_all_stats
+sent_stats = {"bytes": 0}  # what (c) and (d) have sent; ulysses_attention counts its own in ulysses.all_to_all_stats
 
 
 def three_all_to_alls(q, k, v, group, attn_fn=ulysses.causal_attention):
-    """(c): ulysses_attention with q, k and v in three all-to-alls (P must divide both head counts)."""
-    q, k, v = (ulysses.all_to_all(t, group, 2, 1) for t in (q, k, v))  # (B, S, heads/P, D)
-    return ulysses.all_to_all(attn_fn(q, k, v), group, 1, 2)  # (B, S/P, H, D)
+    """(c): attention with q, k and v in three all-to-alls and the output in a fourth (P must divide both head
+    counts)."""
+    q, k, v = (_DeepSpeedAllToAll.apply(t, group, 2, 1) for t in (q, k, v))  # (B, S, heads/P, D)
+    return _DeepSpeedAllToAll.apply(attn_fn(q, k, v), group, 1, 2)  # (B, S/P, H, D)
 
 
-def three_call_layer(x, qkv_weight, out_weight, n_head, n_kv_head, group, attn_fn, cos, sin):
-    """(f): gpt.py's attention layer as it would be on (c): project, rotate, three all-to-alls, project."""
-    B, S_local, _ = x.shape
-    qkv = F.linear(x, qkv_weight).view(B, S_local, n_head + 2 * n_kv_head, -1)  # (B, S/P, heads, D)
-    q, k, v = qkv.split([n_head, n_kv_head, n_kv_head], dim=2)
-    q, k = ulysses.apply_rope(q, cos, sin), ulysses.apply_rope(k, cos, sin)
-    return F.linear(three_all_to_alls(q, k, v, group, attn_fn).flatten(2), out_weight)  # (B, S/P, n)
+class _DeepSpeedAllToAll(torch.autograd.Function):
+    """The all-to-all of one tensor as DeepSpeed's DistributedAttention makes it: x cut into P equal pieces along
+    scatter_dim, piece j sent to rank j, the pieces received joined along gather_dim, rank i's at place i. One
+    copy before the collective and one after it (none after when B = 1). Backward: the same exchange, the two
+    dimensions swapped."""
+
+    @staticmethod
+    def forward(ctx, x, group, scatter_dim, gather_dim):
+        ctx.reverse = (group, gather_dim, scatter_dim)
+        return _deepspeed_exchange(x, group, scatter_dim, gather_dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _deepspeed_exchange(grad, *ctx.reverse), None, None, None
+
+
+def _deepspeed_exchange(x, group, scatter_dim, gather_dim):
+    """The shape comments follow seq_to_heads (scatter 2, gather 1), with H/P the heads of each rank."""
+    P = dist.get_world_size(group)
+    send = x.unflatten(scatter_dim, (P, -1)).movedim(scatter_dim, 0)  # (B, S/P, H, D) -> (P, B, S/P, H/P, D)
+    send = send.contiguous()  # the first copy: row j, my tokens of rank j's heads, goes to rank j
+    received = torch.empty_like(send)  # (P, B, S/P, H/P, D): row i, rank i's tokens of my heads
+    dist.all_to_all_single(received, send, group=group)
+    sent_stats["bytes"] += send.nbytes // P * (P - 1)  # row `rank` stays here
+    joined = received.movedim(0, gather_dim)  # (P, B, S/P, H/P, D) -> (B, P, S/P, H/P, D)
+    return joined.flatten(gather_dim, gather_dim + 1)  # -> (B, S, H/P, D), the second copy unless B = 1
 
 
 class _GatherSequence(torch.autograd.Function):
@@ -163,7 +181,7 @@ class _GatherSequence(torch.autograd.Function):
         full = x.new_empty(P * B, S_local, H, D)  # rank j's tokens in rows j*B .. (j+1)*B - 1
         with CopiedBytes.collective():
             all_gather(full, x.contiguous(), group=group)
-        gather_stats["bytes"] += x.nbytes * (P - 1)
+        sent_stats["bytes"] += x.nbytes * (P - 1)
         return full.view(P, B, S_local, H, D).transpose(0, 1).reshape(B, P * S_local, H, D)  # (B, S, H, D)
 
     @staticmethod
@@ -173,7 +191,7 @@ class _GatherSequence(torch.autograd.Function):
         rows = grad.reshape(B, P, S // P, H, D).transpose(0, 1).reshape(P * B, S // P, H, D)  # rank j's: rows j*B..
         with CopiedBytes.collective():  # gloo copies its result into `mine` as the caller waits
             reduce_scatter(mine, rows, group=ctx.group)
-        gather_stats["bytes"] += mine.nbytes * (P - 1)
+        sent_stats["bytes"] += mine.nbytes * (P - 1)
         return mine, None
 
 
@@ -221,25 +239,18 @@ KERNELS = {"sdpa": ulysses.causal_attention, "copy": _CopyQ.apply}
 
 def _variants(group, args):
     """name -> (its forward on the tensors of _attention_inputs, the names of the tensors it reads, and of those
-    its backward returns gradients for, as a model's projections take them)."""
+    its backward returns gradients for)."""
     kernel = KERNELS[args.kernel]
-    heads = ("q_heads", "k_heads", "v_heads")
-    qkv, layer = ("q", "k", "v"), ("x", "qkv_weight", "out_weight", "cos", "sin")
-    shape = dict(n_head=args.heads, n_kv_head=args.kv_heads, group=group, attn_fn=kernel)
+    heads, qkv = ("q_heads", "k_heads", "v_heads"), ("q", "k", "v")
     variants = {
         "(a) kernel alone": (lambda t: kernel(*(t[n] for n in heads)), heads, heads),
         "(a) with 4 barriers": (lambda t: _Barrier.apply(group, kernel(*_Barrier.apply(group, *(t[n] for n in heads)))
                                                          )[0], heads, heads),
         "(b) ulysses_attention": (lambda t: ulysses.ulysses_attention(t["q"], t["k"], t["v"], group, kernel), qkv, qkv),
         "(c) 3 all-to-alls": (lambda t: three_all_to_alls(t["q"], t["k"], t["v"], group, kernel), qkv, qkv),
-        "(d) all-gather k, v": (lambda t: gathered_kv(t["q"], t["k"], t["v"], group), qkv, qkv),
-        "(e) attention_layer": (lambda t: ulysses.attention_layer(**{n: t[n] for n in layer}, **shape), layer,
-                                layer[:3]),
-        "(f) layer on (c)": (lambda t: three_call_layer(**{n: t[n] for n in layer}, **shape), layer, layer[:3])}
-    if args.kernel == "copy":  # (d) has its own kernel; the layers' floor is the layer without an exchange, which
-        del variants["(d) all-gather k, v"]  # does the same work only when the kernel's work does not grow with S
-        variants["(a) layer, no exchange"] = (
-            lambda t: ulysses.attention_layer(**{n: t[n] for n in layer}, **{**shape, "group": None}), layer, layer[:3])
+        "(d) all-gather k, v": (lambda t: gathered_kv(t["q"], t["k"], t["v"], group), qkv, qkv)}
+    if args.kernel == "copy":  # (d) has its own kernel
+        del variants["(d) all-gather k, v"]
     return variants
 
 
@@ -257,21 +268,14 @@ def _forward_backward(variant, tensors):
 
 
 def _attention_inputs(rank, P, S, args):
-    """This rank's tensors, by name: q, k, v [B, S/P, heads, D]; (a)'s q, k, v of H/P heads of the whole
-    sequence [B, S, heads/P, D], token-major as (c)'s all-to-alls leave them; and the layer's input x [B, S/P, n],
-    weights (the same on every rank) and RoPE tables of my tokens."""
-    g, shared = torch.Generator().manual_seed(rank), torch.Generator().manual_seed(1234)
+    """This rank's tensors, by name: q, k, v [B, S/P, heads, D]; and (a)'s q, k, v of H/P heads of the whole
+    sequence [B, S, heads/P, D], token-major as (c)'s all-to-alls leave them."""
+    g = torch.Generator().manual_seed(rank)
     B, H, Hkv, D, dtype = args.batch_size, args.heads, args.kv_heads, args.head_dim, getattr(torch, args.dtype)
-    n, positions = H * D, torch.arange(rank * S // P, (rank + 1) * S // P).expand(B, -1)
     tensors = {name: torch.randn(B, S // P, h, D, generator=g) for name, h in zip(("q", "k", "v"), (H, Hkv, Hkv))}
     tensors.update({f"{name}_heads": torch.randn(B, S, h // P, D, generator=g)
                     for name, h in zip(("q", "k", "v"), (H, Hkv, Hkv))})
-    tensors.update(x=torch.randn(B, S // P, n, generator=g),
-                   qkv_weight=torch.randn((H + 2 * Hkv) * D, n, generator=shared) / n**0.5,
-                   out_weight=torch.randn(n, H * D, generator=shared) / n**0.5)
-    tensors = {name: t.to(dtype) for name, t in tensors.items()}
-    tensors["cos"], tensors["sin"] = ulysses.rope_cos_sin(positions, D, 10000.0)  # float32, as gpt.py keeps them
-    return tensors
+    return {name: t.to(dtype) for name, t in tensors.items()}
 
 
 class CopiedBytes(TorchDispatchMode):
@@ -321,13 +325,13 @@ class CopiedBytes(TorchDispatchMode):
 
 
 def _sent():
-    return gather_stats["bytes"] + sum(c["bytes"] for c in ulysses.all_to_all_stats.values())
+    return sent_stats["bytes"] + sum(c["bytes"] for c in ulysses.all_to_all_stats.values())
 
 
 def _moved(variant, tensors):
     """(bytes sent, bytes copied outside the collective), forward and backward: four numbers of this rank."""
     ulysses.reset_all_to_all_stats()
-    gather_stats["bytes"] = 0
+    sent_stats["bytes"] = 0
     with CopiedBytes() as forward:
         out, leaves = _forward(variant, tensors)
     sent_forward = _sent()
@@ -379,14 +383,7 @@ def _check_rank(rank, P, args):
             out = ulysses.ulysses_attention(*inputs, dist.group.WORLD, check=check)
             torch.autograd.grad(out, inputs, torch.ones_like(out))
             seconds[check].append(time.perf_counter() - start)
-    alone = []
-    for _ in range(101):  # the check by itself: the all-gather's own time, free of the layer's noise
-        dist.barrier()
-        start = time.perf_counter()
-        ulysses.check_inputs(q, k, v, dist.group.WORLD)
-        alone.append(time.perf_counter() - start)
-    return {**{check: statistics.median(times[1:]) for check, times in seconds.items()},
-            "alone": statistics.median(alone[1:])}
+    return {check: statistics.median(times[1:]) for check, times in seconds.items()}
 
 
 def check_cost(args):
@@ -395,13 +392,10 @@ def check_cost(args):
             seconds = run_ranks(P, _check_rank, args)
         print(f"P={P} S={args.seq_len} H={args.heads} D={args.head_dim}, {args.dtype}, forward and backward, median "
               f"of {args.reps}: {seconds[True] * 1e3:.1f} ms with the check, {seconds[False] * 1e3:.1f} ms without: "
-              f"{(seconds[True] / seconds[False] - 1) * 100:+.1f}%; the check alone, median of 100 calls: "
-              f"{seconds['alone'] * 1e3:.3f} ms, {seconds['alone'] / seconds[False] * 100:.2f}% of the layer",
-              flush=True)
+              f"{(seconds[True] / seconds[False] - 1) * 100:+.1f}%", flush=True)
 
 
-BASELINE = {"(b) ulysses_attention": "(c) 3 all-to-alls", "(e) attention_layer": "(f) layer on (c)"}
-LAYER_FLOOR = "(a) layer, no exchange"  # with --kernel copy: (e)'s and (f)'s overhead is their exchange's alone
+BASELINE = {"(b) ulysses_attention": "(c) 3 all-to-alls"}
 
 
 def attention(args):
@@ -411,17 +405,15 @@ def attention(args):
     kernel = {"sdpa": "causal SDPA", "copy": "a kernel that only copies q (the exchange alone)"}[args.kernel]
     print(f"one attention layer, forward + backward: B={B} H={H} kv heads={Hkv} D={D}, {args.dtype}, {kernel}, gloo, "
           f"{os.cpu_count()} cores shared by the P processes; median of {args.reps}; overhead = time - (a), paired by "
-          f"repetition ((e) and (f) over (a) layer, no exchange, when there is one); middle half: its quartiles; "
-          f"vs: (b)'s overhead over (c)'s, (e)'s over (f)'s")
+          f"repetition; middle half: its quartiles; vs: (b)'s overhead over (c)'s")
     print(f"{'P':>2} {'S':>6}  {'variant':<22} {'ms':>8} {'overhead ms':>12} {'middle half':>12} {'vs':>6} "
           f"{'bytes sent/rank':>16} {'formula':>13}", flush=True)
     measured = {}
     for P in args.sp:
         with measuring(f"P={P} S={S}: {args.reps + 1} repetitions of every variant"):
             times, counts = measured[P, S] = run_ranks(P, _attention_rank, S, args)
-        floors = {name: times[LAYER_FLOOR if name[1] in "ef" and LAYER_FLOOR in times else "(a) kernel alone"][1:]
-                  for name in times}  # the first repetition is a warm-up
-        overheads = {name: [b - a for a, b in zip(floors[name], t[1:])] for name, t in times.items()}
+        floor = times["(a) kernel alone"][1:]  # the first repetition is a warm-up
+        overheads = {name: [b - a for a, b in zip(floor, t[1:])] for name, t in times.items()}
         overhead = {name: statistics.median(o) for name, o in overheads.items()}
         for name, t in times.items():
             versus = f"{overhead[name] / overhead[BASELINE[name]]:.2f}x" if name in BASELINE else ""
@@ -429,10 +421,6 @@ def attention(args):
             print(f"{P:>2} {S:>6}  {name:<22} {statistics.median(t[1:]) * 1e3:8.1f} {overhead[name] * 1e3:12.1f} "
                   f"{f'{low * 1e3:.0f} to {high * 1e3:.0f}':>12} {versus:>6} {sum(counts[name][:2]):>16,} "
                   f"{_attention_bytes(name, P, S, args):>13,}", flush=True)
-        layer = [e / f for e, f in zip(times["(e) attention_layer"][1:], times["(f) layer on (c)"][1:])]
-        low, _, high = statistics.quantiles(layer, n=4)
-        print(f"the layer, projections included: (e) takes {statistics.median(layer):.2f}x the time of (f), median "
-              f"of the ratios by repetition (middle half {low:.2f} to {high:.2f})")
         q_mib = B * S // P * H * D * getattr(torch, args.dtype).itemsize / 2**20
         print(f"what each variant moves, rank 0: bytes sent, bytes copied outside the collective (copy ops counted "
               f"by a dispatch mode), copies per byte sent, and the peak tensor memory of forward + backward (every "
@@ -485,7 +473,7 @@ def plot_attention(args, measured):
     weak.set(title=f"weak scaling, {args.weak_seq_len:,} tokens a rank: bytes each rank sends\n(forward + backward; "
                    f"dotted: the formula)", xlabel="P (ranks)", ylabel="MiB", xticks=sizes)
     weak.legend()
-    names = ["(b) ulysses_attention", "(c) 3 all-to-alls", "(e) attention_layer", "(f) layer on (c)"]
+    names = ["(b) ulysses_attention", "(c) 3 all-to-alls"]
     width = 0.8 / len(args.sp)
     for i, P in enumerate(args.sp):
         counts = measured[P, args.seq_len][1]
@@ -505,7 +493,7 @@ def plot_attention(args, measured):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# python bench.py tiled: what tiling saves in one layer (every storage counted)
+# python -m harness.bench tiled: what tiling saves in one layer (every storage counted)
 
 
 def _kept_and_peak(run, *inputs):
@@ -550,7 +538,7 @@ def tiled(args):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# python bench.py deltanet: the gated delta rule, chunked against the recurrence
+# python -m harness.bench deltanet: the gated delta rule, chunked against the recurrence
 
 
 def deltanet(args):
@@ -620,7 +608,7 @@ def deltanet_ways(args):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# python bench.py memory: train.py's prediction against its measured peak, the busiest rank
+# python -m harness.bench memory: train.py's prediction against its measured peak, the busiest rank
 
 
 def train_run(P, argv):
@@ -629,10 +617,10 @@ def train_run(P, argv):
     with tempfile.TemporaryDirectory() as tmp:
         metrics = os.path.join(tmp, "metrics.jsonl")
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={P}",
-                   os.path.join(HERE, "train.py"), *argv, "--metrics", metrics]
+                   os.path.join(ROOT, "train.py"), *argv, "--metrics", metrics]
         done = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
         if done.returncode:
-            raise SystemExit(f"bench.py: train.py {' '.join(argv)} failed on {P} ranks:\n{done.stderr[-2000:]}")
+            raise SystemExit(f"harness.bench: train.py {' '.join(argv)} failed on {P} ranks:\n{done.stderr[-2000:]}")
         with open(metrics) as f:
             return [json.loads(line) for line in f]
 
@@ -664,7 +652,7 @@ def memory_(args):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# python bench.py plans: ALST's table, row for row: Llama-3-8B on 1, 8 and 32 GPUs, the longest sequence by the
+# python -m harness.bench plans: ALST's table, row for row: Llama-3-8B on 1, 8 and 32 GPUs, the longest sequence by the
 # predictor and by the dry run (train.py --plan --dry-run), and the peaks at ALST's lengths
 
 ALST = {1: 500_000, 8: 3_700_000, 32: 15_000_000}  # its longest sequences for Llama-8B (arXiv 2506.13996)
@@ -689,13 +677,13 @@ def planned(gpus, gib, S):
 
 def traced(gpus, gib, S):
     """train.py --plan --dry-run of alst_flags: (fits, GPU GiB, CPU GiB per GPU, seconds), as its line prints them."""
-    command = [sys.executable, os.path.join(HERE, "train.py"), "--dry-run", *alst_flags(gpus, gib, S)]
+    command = [sys.executable, os.path.join(ROOT, "train.py"), "--dry-run", *alst_flags(gpus, gib, S)]
     with measuring(f"{gpus} GPUs, {S:,} tokens: train.py --plan --dry-run"):
         done = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     line = re.search(r"^dry run: .* in ([\d.]+) s: (fits|does NOT fit): ([\d,.]+) GiB per GPU .*, ([\d,.]+) GiB in CPU "
                      r"memory", done.stdout, re.M)
     if line is None:
-        raise SystemExit(f"bench.py: train.py {' '.join(command[2:])} printed no dry run:\n{done.stderr[-2000:]}")
+        raise SystemExit(f"harness.bench: train.py {' '.join(command[2:])} printed no dry run:\n{done.stderr[-2000:]}")
     seconds, fits, device, host = line.groups()
     return fits == "fits", float(device.replace(",", "")), float(host.replace(",", "")), float(seconds)
 
@@ -767,7 +755,7 @@ def draw_plans(rows, gib, path):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# python bench.py compile: train.py eager against --compile, the first step (which compiles) and the rest
+# python -m harness.bench compile: train.py eager against --compile, the first step (which compiles) and the rest
 
 
 def compile_(args):
@@ -793,9 +781,9 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescrip
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# python bench.py ring: every way to split one attention layer over P ranks, U Ulysses ranks x R ring ranks (U <=
-# heads), forward + backward, with ring.py's two block kernels (R = 1: one block): the fused one and the einsum tiles;
-# on one rank also SDPA's causal kernel, called directly
+# python -m harness.bench ring: every way to split one attention layer over P ranks, U Ulysses ranks x R ring ranks
+# (U <= heads), forward + backward, with ring.py's two block kernels (R = 1: one block): the fused one and the einsum
+# tiles; on one rank also SDPA's causal kernel, called directly
 
 
 def _usp_rank(rank, P, args):
@@ -858,18 +846,18 @@ def ring_(args):
           f"a ring never, but each rank sends (R-1)/R of the sequence's k and v twice and all their float32 "
           f"gradients once, which grows towards {kv_bytes * 3 / 2**20:,.0f} MiB per layer with R "
           f"(ring.ring_bytes); USP: Ulysses up to {H} ranks, times a ring of any R", flush=True)
-    print(f"\ncausal work per ring rank, query-key pairs in the cut of each block over the R steps (ring.ring_work), "
-          f"S={S}:")
+    print(f"\ncausal work per ring rank, query-key pairs in the cut of each block over the R steps "
+          f"(documents.ring_work), S={S}:")
     print(f"{'R':>2} {'contiguous: least':>18} {'most':>12} {'zigzag: every rank':>19}")
     for R in (2, 4, 8):
-        contiguous, zigzag = (ring.ring_work(R, S // R, layout) for layout in ("contiguous", "zigzag"))
+        contiguous, zigzag = (documents.ring_work(R, S // R, layout) for layout in ("contiguous", "zigzag"))
         print(f"{R:2} {min(contiguous):18,} {max(contiguous):12,} {zigzag[0]:19,}" + ("" if len(set(zigzag)) == 1
                                                                                     else f" (not equal: {zigzag})"))
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# python bench.py balance: packed documents under a ring of R, each rank's share of the causal work and the time of
-# one attention layer, in zigzag's layout and per document (ring.document_layout)
+# python -m harness.bench balance: packed documents under a ring of R, each rank's share of the causal work and the
+# time of one attention layer, in zigzag's layout and per document (documents.document_layout)
 
 
 def long_document_mix(S, share=0.6, seed=0):
@@ -888,7 +876,7 @@ def balance_layouts(positions, R):
     """{name: [B, R, S/R], the positions each ring rank holds} for zigzag and per-document balance."""
     B, S = positions.shape
     zigzag = torch.stack([ring.token_index("zigzag", r, R, S // R) for r in range(R)])  # (R, S/R)
-    return {"zigzag": zigzag.expand(B, R, S // R), "documents": ring.document_layout(positions, R)}
+    return {"zigzag": zigzag.expand(B, R, S // R), "documents": documents.document_layout(positions, R)}
 
 
 def _balance_rank(rank, R, args):
@@ -925,10 +913,10 @@ def _balance_rank(rank, R, args):
 def balance(args):
     positions = long_document_mix(args.seq_len, args.share)
     print(f"one packed row of S={args.seq_len}: one document of {args.share:.0%} of the tokens, the rest 8 to 119 "
-          f"tokens; each ring rank's causal work (query-key pairs its queries see, ring.document_work) as max/mean, "
-          f"and one attention layer forward + backward (heads={args.heads}, head_dim={args.head_dim}, float32, "
-          f"gloo on this machine's cores), the median of {args.reps}, the two layouts interleaved: the step's time "
-          f"and the CPU time of the busiest rank (its waits left out)", flush=True)
+          f"tokens; each ring rank's causal work (query-key pairs its queries see, documents.document_work) as "
+          f"max/mean, and one attention layer forward + backward (heads={args.heads}, head_dim={args.head_dim}, "
+          f"float32, gloo on this machine's cores), the median of {args.reps}, the two layouts interleaved: the "
+          f"step's time and the CPU time of the busiest rank (its waits left out)", flush=True)
     print(f"{'R':>2} {'layout':>10} {'work per rank (million pairs)':>40} {'max/mean':>9} {'step ms':>8} "
           f"{'busiest CPU ms':>15}", flush=True)
     works = {}
@@ -936,7 +924,7 @@ def balance(args):
         with measuring(f"R={R}: {args.reps + 1} repetitions of both layouts"):
             seconds = run_ranks(R, _balance_rank, args)
         for name, layout in balance_layouts(positions, R).items():
-            works[R, name] = work = ring.document_work(positions, layout)
+            works[R, name] = work = documents.document_work(positions, layout)
             per_rank = " ".join(f"{w / 1e6:.2f}" for w in work)
             step, cpu = seconds[name]
             print(f"{R:2} {name:>10} {per_rank:>40} {max(work) / (sum(work) / R):9.3f} {step * 1e3:8.1f} "
@@ -960,7 +948,7 @@ def balance(args):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# python bench.py gpu: on one CUDA GPU, the attention kernels and the gated delta rule beside their fast peers
+# python -m harness.bench gpu: on one CUDA GPU, the attention kernels and the gated delta rule beside their fast peers
 
 
 def gpu(args):
@@ -968,7 +956,7 @@ def gpu(args):
     causal kernel, forward and backward; the chunked gated delta rule's forward against FLA's Triton kernel (the
     fla-core package), outputs compared. Medians of --reps, timed with CUDA events."""
     if not torch.cuda.is_available():
-        raise SystemExit("bench.py gpu: needs a CUDA GPU; this machine has none")
+        raise SystemExit("harness.bench gpu: needs a CUDA GPU; this machine has none")
 
     def milliseconds(run):
         run()

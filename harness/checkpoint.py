@@ -23,7 +23,7 @@ the manifest and renames the directory: a directory without .tmp is whole.
 
 Resuming (`find`, `restore`): the ranks share the checking of every file against the manifest. A checkpoint that
 fails it is named in one line and moved aside (.damaged), and the one before it is tried. An flock on the
-out-dir keeps a second live run out (`lock_out_dir`).
+out-dir keeps a second live run out (`out_dir`, `lock_out_dir`).
 """
 
 import argparse
@@ -35,13 +35,13 @@ import os
 import shutil
 import socket
 import time
-from contextlib import suppress
+from contextlib import contextmanager, suppress
 from functools import partial
 
 import torch
 from tqdm import tqdm
 
-from launch import Mistake, agreed, fail, gathered, model_flags, repeating, stop_on
+from harness.launch import Mistake, agreed, fail, gathered, model_flags, repeating, sha256, stop_on
 
 MANIFEST = "manifest.json"
 
@@ -396,14 +396,6 @@ def verify(path, rank, world_size):
     return None
 
 
-def sha256(path):
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(2**24):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def restore(checkpoint, model, zero, optimizer):
     """Load a checkpoint written on any layout into this run. Returns the number of steps already done."""
     path, trainer, seconds = checkpoint
@@ -463,14 +455,16 @@ class Metrics:
 # the out-dir: one live run at a time
 
 
-def make_folder(flag, folder):
-    """The folder a flag writes into, made if missing; one line if it cannot be made or written."""
+@contextmanager
+def out_dir(args, run, lr_at):
+    """--out-dir held by this run alone while the block runs (rank 0 locks it: `lock_out_dir`), and the checkpoint
+    the run continues from (`find`), or None to start afresh. run: launch.started's."""
+    lock = agreed(run.control, lambda: lock_out_dir(args.out_dir) if run.rank == 0 and args.out_dir else None)
     try:
-        os.makedirs(folder, exist_ok=True)
-    except OSError as e:
-        fail(f"{flag}: cannot make the folder {folder} ({e.strerror})")
-    if not os.access(folder, os.W_OK):
-        fail(f"{flag}: cannot write into {folder}")
+        yield find(args, run.world_size, run.control, lr_at, run.data_sha256)
+    finally:
+        if lock:
+            lock.close()  # releases the out-dir for the next run
 
 
 def lock_out_dir(out_dir):

@@ -6,7 +6,7 @@ together, and they must end together: a copy that stops while the others wait in
 hanging, and a copy that exits 0 from a failed run tells its node's launcher that the run succeeded. So:
 
   1. every rank checks the flags on its own, before any process waits on another (`check_args`): they all find
-     the same mistake, the first rank of each node prints it, and every rank exits 1;
+     the same mistake, the first rank of each node prints it, and every rank exits 1 (`started` runs 1 to 3);
   2. then the process group, and the dp x ring x ulysses mesh on it (`process_groups`), plus a gloo "control"
      group whose waits have a day's deadline rather than --timeout, for agreeing on problems; every rank beats in
      the group's store. Before the mesh, the ranks compare their flags, and after reading the data its bytes
@@ -28,6 +28,7 @@ step writes (`StepProgress`), so that no run sits silent.
 
 import argparse
 import datetime
+import hashlib
 import math
 import os
 import signal
@@ -37,11 +38,13 @@ import time
 import traceback
 from contextlib import contextmanager, suppress
 from functools import partial
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
+import data
 import ulysses
 from gpt import PRESETS, GPTConfig
 
@@ -150,8 +153,8 @@ def parse_args(argv=None):
     p.add_argument("--rope-base", type=float, default=10000.0, help="RoPE's theta")
     p.add_argument("--window", type=int, default=0, help="sliding-window attention over this many tokens (0: full)")
     p.add_argument("--sinks", action="store_true", help="attention sinks (gpt-oss): a learned logit per query head "
-                   "joins each query's softmax (weight-decayed as every parameter is); attention then runs in ring.py's kernel, "
-                   "with or without --ring")
+                   "joins each query's softmax (weight-decayed as every parameter is); attention then runs in "
+                   "ring.py's kernel, with or without --ring")
     p.add_argument("--layer-pattern", default="a", help="each layer's kind, repeated over the layers: a = softmax "
                    "attention, d = Gated DeltaNet (linear attention); e.g. ddda")
     for part, what in (("k-heads", "key heads (q, k)"), ("v-heads", "value heads (v, the state; a multiple of the key "
@@ -318,6 +321,22 @@ def model_flags(args):
 
 
 @contextmanager
+def started(args):
+    """Everything a run does before it builds its model, on every rank: the flags checked on each rank alone
+    (`check_args`), the process groups and the mesh (`process_groups`), then what each rank finds on its own machine,
+    agreed by all (`this_machine`): --data read, the folders of --metrics and --out-dir made, and --data's bytes the
+    same everywhere. Yields the run: device, mesh, control, rank, world_size, documents (None: the copy task) and
+    data_sha256 (None: the copy task)."""
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    check_args(args, world_size)  # the flags alone: every rank finds the same mistake, before any wait
+    with process_groups(args, world_size) as (device, mesh, control):
+        documents, data_sha256 = agreed(control, partial(this_machine, args))  # files may differ between machines
+        same_everywhere(control, {"the bytes of --data (SHA-256)": data_sha256})  # a stale copy on one node?
+        yield SimpleNamespace(device=device, mesh=mesh, control=control, rank=dist.get_rank(), world_size=world_size,
+                              documents=documents, data_sha256=data_sha256)
+
+
+@contextmanager
 def process_groups(args, world_size):
     """The device, the process group (with a timeout, so a dead peer ends the run), the dp x ring x ulysses mesh,
     and the gloo control group over every rank, whose waits have no --timeout deadline (how long a rank takes to
@@ -403,6 +422,41 @@ def lost_ranks(world_size, wait=3.0):
 
 # ----------------------------------------------------------------------------------------------------------------
 # 3. what one rank finds alone, agreed by all
+
+
+def this_machine(args):
+    """What a rank checks on its own machine: --data, read (its documents, None for the copy task, and the SHA-256
+    of its bytes), and the folders that --metrics (rank 0 writes it) and --out-dir write into."""
+    try:
+        documents = None if args.data is None else data.read_documents(args.data, args.pack, args.seq_len)
+    except ValueError as e:
+        fail(f"--data {args.data}: {e}")
+    if int(os.environ.get("RANK", 0)) == 0 and args.metrics:
+        if os.path.isdir(args.metrics):
+            fail(f"--metrics {args.metrics} is a directory; give a file name, e.g. "
+                 f"{os.path.join(args.metrics, 'metrics.jsonl')}")
+        make_folder("--metrics", os.path.dirname(os.path.abspath(args.metrics)))
+    if args.out_dir is not None:
+        make_folder("--out-dir", args.out_dir)
+    return documents, args.data and sha256(args.data)
+
+
+def make_folder(flag, folder):
+    """The folder a flag writes into, made if missing; one line if it cannot be made or written."""
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError as e:
+        fail(f"{flag}: cannot make the folder {folder} ({e.strerror})")
+    if not os.access(folder, os.W_OK):
+        fail(f"{flag}: cannot write into {folder}")
+
+
+def sha256(path):
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(2**24):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def gathered(control, value):

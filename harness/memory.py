@@ -16,12 +16,12 @@ already made), the gradients at the step.
     step         the float32 gradients and AdamW's float32 temporaries, the size of this rank's shard
     host         CPU memory: the block inputs --offload keeps there, and what --offload-optimizer does
 
-`predict_memory` builds the model on the meta device (shapes, no memory) and counts. `check_memory` refuses a run
+`predict_memory` builds the model on the meta device (shapes, no memory) and counts. `check` refuses a run
 that would not fit before it starts, with what would; `plan` (--plan NxG) prints the prediction for N GPUs of
 G GiB. `PeakMemory` measures the real peak of one step: torch.cuda.max_memory_allocated on CUDA; on CPU, which
-has no such counter, the tensors made while it runs (`StorageBytes`); `python bench.py memory` sets the two side by
-side. `dry_run` (--plan NxG --dry-run) runs the real step at the planned scale on fake tensors, which have shapes
-and no storage, and counts its tensors as StorageBytes counts a real step's.
+has no such counter, the tensors made while it runs (`StorageBytes`); `python -m harness.bench memory` sets the two
+side by side. `dry_run` (--plan NxG --dry-run) runs the real step at the planned scale on fake tensors, which have
+shapes and no storage, and counts its tensors as StorageBytes counts a real step's.
 """
 
 import argparse
@@ -46,11 +46,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakIdKeyDictionary
 
 import gpt
-import launch
 import ring
 import ulysses
 from gpt import GPT, GPTConfig
-from launch import check_args, fail, model_config, ring_refusal
+from harness.launch import agreed, check_args, device_mesh, fail, model_config, ring_refusal
 from tiled import at_least_float32
 
 
@@ -80,7 +79,7 @@ def predict_memory(cfg, tokens, batch, sp, ring_size, world_size, zero, cuda, bf
     ring's fused block kernel holds no scores, its einsum tiles, with a window, hold a query tile's, counted at
     their largest). For a GPU (cuda), what an H100 showed (BENCHMARKS.md, the GPU section)
     and what the dry run traces at full scale: within 5% of the dry run for Llama-3-8B from 1 to 32 GPUs, and the
-    dry run within 0.6% of the H100's measured peaks (`python bench.py plans`, BENCHMARKS.md)."""
+    dry run within 0.6% of the H100's measured peaks (`python -m harness.bench plans`, BENCHMARKS.md)."""
     units, kinds = unit_sizes(dataclasses.astuple(cfg))  # what ZeRO-3 gathers: embed, blocks, head; "a" or "d" a block
     n_params, block = sum(units), max(units[1:-1])
     e, h, V, H, D = (2 if bf16 else 4), cfg.n_embd, cfg.vocab_size, cfg.n_head, cfg.n_embd // cfg.n_head
@@ -102,12 +101,11 @@ def predict_memory(cfg, tokens, batch, sp, ring_size, world_size, zero, cuda, bf
     # which without all-to-alls is the kernel's output itself, but keeps the whole qkv output alive (v is a view of
     # it) beside the rotated q and k; the all-to-alls make new tensors of them all
     attention = (q + 2 * kv) + q + H + (q + kv if U == 1 else h)
-    # a window without flash-attn (and without the ring's kernel, which takes sinks): SDPA gets an [S, S] mask, one
-    # for the batch, and keeps it for backward in the compute dtype; packed documents, one [n, n] a document, at most
-    # [S, S] a row (a document as long as the sequence)
+    # a window (without the ring's kernel, which takes sinks): SDPA gets an [S, S] mask, one for the batch, and keeps
+    # it for backward in the compute dtype; packed documents, one [n, n] a document, at most [S, S] a row (a document
+    # as long as the sequence)
     S = tokens // batch * U  # the tokens of a sequence the kernel sees
-    masked = (cfg.window and ring_size == 1 and not cfg.sinks and
-              not ulysses.use_flash_attn("cuda" if cuda else "cpu", torch.bfloat16 if bf16 else torch.float32, D))
+    masked = cfg.window and ring_size == 1 and not cfg.sinks
     attention += S * S * (batch if packed else 1) / tokens if masked else 0
     # a ring's backward holds dq in float32 (in bf16 also float32 copies of q, of the output's gradient and of the
     # output); the key/value block and the one arriving, three float32 dk/dv accumulators (this step's, the one
@@ -125,8 +123,8 @@ def predict_memory(cfg, tokens, batch, sp, ring_size, world_size, zero, cuda, bf
     # (2kd + 7vd); the conv's padded input, output and silu (3 x (2kd_ + vd_)); the chunked kernel's scaled,
     # padded and gated q and k, the solve's k half and k * decay (5kv), and its padded v, the solve's v half, u
     # and U (4vd_), which autograd keeps, and 2kv + 2vd_ more that its backward holds at once at its peak (a
-    # measurement: `python bench.py memory --seq-lens 4096 --flags --layer-pattern ddda` is 2% to 7% under the
-    # peak without them); seven C x C matrices a head (the decays, k k^T and its gated forms, the solve's input,
+    # measurement: `python -m harness.bench memory --seq-lens 4096 --flags --layer-pattern ddda` is 2% to 7% under
+    # the peak without them); seven C x C matrices a head (the decays, k k^T and its gated forms, the solve's input,
     # q k^T and q k^T * decay); 16 numbers a head (gates, norms, decays); the carried state [Dk, Dv] a head once a
     # chunk, twice; C + 2 masks of one byte. All but the first 2kd + 7vd are float32 in bf16 too:
     # gated_delta_net runs with autocast off.
@@ -256,6 +254,11 @@ def memory_verdict(args, world_size, memory, cuda):
         f"{'; '.join(others) or 'nothing else to try'}")
 
 
+def check(args, run):
+    """check_memory on every rank of the run (launch.started's), agreed: a rank that lacks the memory stops them all."""
+    agreed(run.control, functools.partial(check_memory, args, run.world_size))
+
+
 def check_memory(args, world_size):
     """Refuse a run whose predicted peak exceeds the free GPU memory, or this rank's share of the machine's
     available RAM, before anything is allocated."""
@@ -274,7 +277,7 @@ def check_memory(args, world_size):
 def plan(args, build=None):
     """--plan NxGIB: the predicted memory of this run on N GPUs of GIB GiB, without running it; with --dry-run, also
     the peak of its real step traced on fake tensors (dry_run, of what train.py's build makes), which then decides
-    whether it fits."""
+    whether it fits. True if it fits; SystemExit(1) if not."""
     try:
         gpus, gib = args.plan.lower().split("x")
         world_size, memory = int(gpus), float(gib) * 2**30
@@ -295,6 +298,8 @@ def plan(args, build=None):
               f"{traced['seconds']:.0f} s: {'fits' if fits else 'does NOT fit'}: {gib(traced['device'])} per GPU "
               f"(predicted {gib(m['peak'])}, {m['peak'] / traced['device'] - 1:+.1%}), {gib(traced['host'])} in CPU "
               f"memory (predicted {gib(m['host'])})")
+    if not fits:
+        raise SystemExit(1)  # after its line
     return fits
 
 
@@ -447,7 +452,7 @@ def dry_run(args, world_size, build, cuda=True):
     rank, start = busiest_rank(args), time.perf_counter()  # utility of torch's: imported by a dry run alone)
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
-        mesh = launch.device_mesh(args, world_size, "cpu")
+        mesh = device_mesh(args, world_size, "cpu")
         host = torch.device("meta" if cuda else "cpu")
         with FakeTensors(), real_meshes(), as_on_cuda() if cuda else nullcontext():
             model, zero, optimizer, _, step = build(world_size, mesh, torch.device("cpu"), host)
@@ -505,15 +510,14 @@ def real_meshes():
 @contextmanager
 def as_on_cuda():
     """The step's device decisions as a GPU takes them, while a dry run traces on CPU fake tensors. The attention
-    kernels: ulysses.sdpa_takes_groups and ulysses.use_flash_attn asked for "cuda" (test_kernels.py does the same;
-    ring.block_kernel's choice runs inside the ring's operator, whose fake shapes stand in for it here). AdamW: its
-    foreach kernels, which it takes on CUDA (`foreach_on_the_gpu`; on CPU it steps one tensor at a time). RMSNorm: CUDA
-    runs it as one fused kernel (aten._fused_rms_norm, which a CPU build lacks), which keeps its input and statistic
-    for backward and makes nothing else (an H100 showed it); `FusedRMSNorm` stands in for it."""
+    kernels: ulysses.sdpa_takes_groups asked for "cuda" (test_kernels.py does the same; ring.block_kernel's choice
+    runs inside the ring's operator, whose fake shapes stand in for it here). AdamW: its foreach kernels, which it
+    takes on CUDA (`foreach_on_the_gpu`; on CPU it steps one tensor at a time). RMSNorm: CUDA runs it as one fused
+    kernel (aten._fused_rms_norm, which a CPU build lacks), which keeps its input and statistic for backward and
+    makes nothing else (an H100 showed it); `FusedRMSNorm` stands in for it."""
     with ExitStack() as stack:
-        for module, name, fn in ((ulysses, "sdpa_takes_groups", ulysses.sdpa_takes_groups),
-                                 (ulysses, "use_flash_attn", ulysses.use_flash_attn)):
-            stack.enter_context(patch.object(module, name, lambda device_type, *rest, fn=fn: fn("cuda", *rest)))
+        on_cuda = functools.partial(ulysses.sdpa_takes_groups, "cuda")
+        stack.enter_context(patch.object(ulysses, "sdpa_takes_groups", lambda device_type, *rest: on_cuda(*rest)))
         stack.enter_context(patch.object(torch_adam, "_default_to_fused_or_foreach", foreach_on_the_gpu))
         stack.enter_context(patch.object(gpt, "rms_norm", fused_rms_norm))
         yield
