@@ -14,7 +14,7 @@ import torch.distributed as dist
 import documents
 import ring
 import ulysses
-from conftest import assert_all_close, attention_formula, qkv, run_ranks, usp_groups, whole_sequence
+from conftest import assert_all_close, attention_formula, my_tokens, qkv, run_ranks, usp_groups, whole_sequence
 
 
 RING_CASES = [("zigzag", torch.float64, None, True), ("contiguous", torch.float64, None, True),
@@ -37,11 +37,6 @@ def _full_attention(q, k, v, window, grad_out, position_ids=None):
         out = ulysses.sliding_window_attention(q, k, v, window) if window else ulysses.causal_attention(q, k, v)
     out.backward(grad_out)
     return [out.detach(), q.grad, k.grad, v.grad]
-
-
-def my_tokens(S, ulysses_group, ring_group):
-    """The global indices of this rank's tokens of a sequence of S, in the order shard_for_ring gives them: [S/P]."""
-    return ring.shard_for_ring(*[torch.arange(S)[None]] * 3, ulysses_group, ring_group)[3][0]
 
 
 def _ring_rank(rank, R, cases):

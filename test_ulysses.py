@@ -21,7 +21,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 import documents
 import ring
 import ulysses
-from conftest import HERE, assert_all_close, qkv, run, run_ranks, sp_slice, usp_groups
+from conftest import HERE, assert_all_close, my_tokens, qkv, run, run_ranks, sp_slice, usp_groups
 from gpt import GPT, GPTConfig
 
 
@@ -235,8 +235,8 @@ def test_ranks_that_pass_different_inputs_are_refused():
         by_rank = [[fine, (2, 5, 4, 8, 2, 8, 8, 1)], [fine, (2, 4, 4, 8, 2, 8, 8, 0)], [fine, (2, 4, 6, 8, 2, 8, 8, 1)]]
         by_rank += [[fine, unfit]] * 4 + [[unfit, unfit]]
         assert messages == [f"ulysses_attention: q, k, v differ between the ranks or do not fit together ([B, S/P, "
-                            f"Hq, D, Hkv, Dk, Dv, dtype] by rank: {every}); want q [B, S/P, Hq, D], k [B, S/P, Hkv, D], "
-                            f"v [B, S/P, Hkv, Dv] of one float dtype, alike on every rank"
+                            f"Hq, D, Hkv, Dk, Dv, dtype] by rank: {every}); want q [B, S/P, Hq, D], k [B, S/P, Hkv, "
+                            f"D], v [B, S/P, Hkv, Dv] of one float dtype, alike on every rank"
                             for every in by_rank], (rank, messages)
 
 
@@ -340,8 +340,7 @@ def _largest_difference(attention, compiled, Hq, Hkv, lengths, groups):
     sequence lengths, each rank passing its tokens of the sequence as shard_for_sp (or shard_for_ring) cuts it."""
     worst = 0.0
     for S in lengths:  # no token count equal to another size (B, heads, D), which would tie them together
-        shard = ring.shard_for_ring if len(groups) == 2 else ulysses.shard_for_sp
-        index = shard(*[torch.arange(S)[None]] * 3, *groups)[0][0]  # my tokens
+        index = my_tokens(S, *groups)
         q, k, v, grad_out = (t[:, index] for t in qkv(2, S, Hq, Hkv, 8))
         pair = []
         for function in (attention, compiled):

@@ -89,6 +89,7 @@ def build(args, world_size, mesh, device, host=torch.device("cpu")):
     step i of this rank on its micro-batches (steps 1 to 7). host: where --offload and --offload-optimizer keep what
     they move off the device. --dry-run runs it on fake tensors (memory.dry_run)."""
     torch.manual_seed(args.seed)  # every rank builds the same initial model
+    # the mesh is dp x ring x ulysses, row-major: a Ulysses group's ranks are consecutive (the fastest links)
     dp, sp_groups = world_size // args.sp, (mesh.get_group("ulysses"), mesh.get_group("ring"))
     model = GPT(launch.model_config(args), *sp_groups, host)
     if device.type != "cpu":  # built on the CPU, so that a GPU run starts from the numbers a CPU run does

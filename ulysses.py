@@ -76,8 +76,8 @@ def heads_to_seq(x, group, heads=None):
 @torch.library.custom_op("ulysses::exchange", mutates_args=())
 def _exchange(x: torch.Tensor, head_bounds: list[int], to_heads: bool, group_name: str, rank: int,
               direction: str) -> torch.Tensor:
-    """One all-to-all: an operator (torch.library.custom_op), so that torch.compile traces through it unbroken.
-    The group travels by name, the heads as flat bounds [start0, stop0, start1, ...], as operators take them."""
+    """One all-to-all, an operator so that torch.compile traces through it unbroken. The group travels by name, the
+    heads as flat bounds [start0, stop0, start1, ...]; direction ("forward", "backward") is for the byte counts."""
     group = _resolve_process_group(group_name)
     heads = [range(a, b) for a, b in zip(head_bounds[::2], head_bounds[1::2])]  # heads[j]: rank j's, P of them
     if to_heads:  # x: (B, S/P, H, D), my tokens of every head
