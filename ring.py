@@ -1,7 +1,6 @@
 """
-Ring attention: causal attention over a sequence split across the R ranks of a ring. Each rank keeps its own
-queries, with every head, while the keys and values travel. With ulysses.py it becomes Ulysses x Ring (USP),
-sequence parallelism over more ranks than there are heads.
+Ring attention: causal attention over a sequence split across the R ranks of a ring. Each rank keeps its queries,
+with every head, while the keys and values travel. With ulysses.py: Ulysses x Ring (USP), more ranks than heads.
 
 Rank r holds L = S/R tokens. At each of R steps it attends its queries to the key/value block it holds, while it
 sends that block on to rank r+1 and receives rank r-1's. After R steps every query has met every key:
@@ -28,12 +27,13 @@ form a ring. `shard_for_ring` cuts the batch for it, and attention is one line:
 
     ulysses_attention(q, k, v, ulysses_group, partial(ring_attention, group=ring_group, layout="zigzag"))
 
-Positions rise along every layout, so the keys a query sees in a block are one run (`key_ranges`): causal, in a
-sliding window, in its own packed document (documents.py). PyTorch's flash kernel computes a block that sees every
-key, or causal ones; the einsum tiles, the readable reference, any other. A sink (gpt-oss: a logit per query head
-that joins every softmax, with no value) is one more block to the merge, once after the last. The file reads down
-the call path. It needs torch alone: copy it into your own project.
+Positions rise along every layout, so a query's keys in a block are one run (`key_ranges`): causal, in a window, in
+its document (documents.py). A fused kernel takes blocks that see every key, or causal ones; the einsum tiles, the
+readable reference, any other. A sink (gpt-oss: a logit per head that joins every softmax, no value) is one more
+block to the merge, after the last. The file reads down the call path and needs torch alone.
 """
+
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -78,9 +78,8 @@ def ring_attention(q, k, v, group=None, layout=None, window=None, causal=True, s
     return (out, lse.transpose(1, 2)) if return_lse else out  # lse (B, Hq, L) -> (B, L, Hq)
 
 
-# The ring as two operators (torch.library.custom_op): torch.compile traces through each as one call (shapes and
-# autograd at the end of the file). The group travels by name. Inside, tensors are head-major, [B, heads, L, D],
-# views. indices [R, B or 1, L]: every ring rank's positions. documents [B, S]: each position's document, or None.
+# The ring as two operators (torch.library.custom_op), one call each to torch.compile, the group by name. Inside:
+# head-major views [B, heads, L, D]; indices [R, B or 1, L], every rank's positions; documents [B, S], or None.
 
 
 @torch.library.custom_op("ring::attention", mutates_args=())
@@ -133,8 +132,7 @@ def _ring_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, l
                 dkv[:, batch, :, cols] += torch.stack(block_dkv)  # (2, B, Hkv, cols, D)
             if step > 0:  # what the ranks before me added to this block's accumulator
                 dkv += arrived(*accumulator)
-            # on towards the block's home, where it arrives after step R-1 (a ring of one rank: home already)
-            accumulator = pass_on(dkv, group, "backward") if R > 1 else (dkv, [])
+            accumulator = pass_on(dkv, group, "backward") if R > 1 else (dkv, [])  # on towards home, after step R-1
             if step < R - 1:
                 kv = arrived(*incoming)
         dk, dv = arrived(*accumulator).transpose(2, 3)  # my own block's, with every rank's term: (B, L, Hkv, D)
@@ -170,7 +168,6 @@ def _blocks(indices, mine, theirs, kv, documents, window, causal):
         mine, theirs = (t.expand(len(documents), -1) for t in (mine, theirs))  # (B, L) each: every row's own
         parts = [(slice(b, b + 1), queries.start, keys.start, mine[b, queries], theirs[b, keys])
                  for b, row in enumerate(documents) for queries, keys in meeting_runs(mine[b], theirs[b], row)]
-    blocks = []
     for batch, q_start, k_start, q_index, k_index in parts:
         lo, hi = key_ranges(q_index, k_index, window, causal)
         if (part := cut(lo, hi)) is None:
@@ -179,8 +176,7 @@ def _blocks(indices, mine, theirs, kv, documents, window, causal):
         queries = slice(q_start + rows.start, q_start + rows.stop)
         keys = slice(k_start + cols.start, k_start + cols.stop)
         block_k, block_v = kv[:, batch, keys].transpose(2, 3)  # (B, Hkv, cols, D) each, views
-        blocks.append((batch, queries, keys, lo[rows] - cols.start, hi[rows] - cols.start, block_k, block_v))
-    return blocks
+        yield batch, queries, keys, lo[rows] - cols.start, hi[rows] - cols.start, block_k, block_v
 
 
 def meeting_runs(q_index, k_index, documents):
@@ -232,8 +228,7 @@ def merge(out, lse, block_out, block_lse):
 
 
 def block_gradients(q, k, v, out, lse, dout, lo, hi, scale, kernel):
-    """dq, dk, dv of one block from the FINAL out and lse: p is then the true attention to this block's keys, and
-    delta = rowsum(dout * out) the softmax's true correction."""
+    """dq, dk, dv from the FINAL out and lse: p is then the true attention to these keys, delta the true correction."""
     if kernel != "tiles" and (mask := _fused_mask(lo, hi, k.shape[2])) is not None:
         return FUSED[kernel][1](dout, q, k, v, out, lse, mask == "causal", scale)
     q, k, v, out, dout = (at_least_float32(t) for t in (q, k, v, out, dout))
@@ -272,22 +267,25 @@ def _tiles(q, k, lo, hi, scale):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# the fused kernels: PyTorch's flash attention operator, on CPU and on CUDA
-#
-# A (forward, backward) pair each in FUSED, named by `block_kernel`, a function of what decides it: a test without a
-# GPU asks what a GPU would run, and runs it through a stand-in with the CUDA kernel's contract (test_kernels.py).
-# Another kernel that returns the log-sum-exp (cuDNN's, say) is one more pair here and one line in block_kernel.
+# the fused kernels, a (forward, backward) pair each in FUSED, named by `block_kernel`, a function of what decides it:
+# a test without a GPU asks it what a GPU runs, and runs that through stand-ins with their contracts (test_kernels.py)
 
 
-def block_kernel(device_type, dtype, head_dim):
-    """"cpu_flash" on CPU (every dtype and head size); "cuda_flash" on CUDA for fp16 and bf16 with a head size that
-    is a multiple of 8 up to 256; "tiles" for the rest (float32 and float64 on CUDA, other head sizes or devices)."""
-    cuda_flash = device_type == "cuda" and dtype in (torch.float16, torch.bfloat16) and head_dim % 8 == 0
-    return "cpu_flash" if device_type == "cpu" else "cuda_flash" if cuda_flash and head_dim <= 256 else "tiles"
+def block_kernel(device_type, dtype, head_dim, gpu=None):
+    """"cpu_flash" on CPU. On CUDA, fp16 or bf16 with a head size a multiple of 8: "cudnn" up to 128 on Hopper, where
+    SDPA runs cuDNN first (gpu: compute capability 9, cuDNN after 9.15.0), else "cuda_flash" up to 256. Else "tiles"."""
+    if device_type != "cuda" or dtype not in (torch.float16, torch.bfloat16) or head_dim % 8 or head_dim > 256:
+        return "cpu_flash" if device_type == "cpu" else "tiles"
+    (major, _), cudnn = gpu or cuda_gpu()
+    return "cudnn" if major == 9 and cudnn > 91500 and head_dim <= 128 else "cuda_flash"
 
 
-def at_least_float32(t):
-    """16-bit floats as float32; float32 and float64 as they are."""
+@torch.compiler.assume_constant_result  # torch.compile reads it once, as a constant
+def cuda_gpu():  # (compute capability, cuDNN version) of the current GPU: ((9, 0), 91900), an H200 with cuDNN 9.19
+    return torch.cuda.get_device_capability(), torch.backends.cudnn.version() or 0
+
+
+def at_least_float32(t):  # 16-bit floats as float32; float32 and float64 as they are
     return t.to(torch.promote_types(t.dtype, torch.float32))
 
 
@@ -300,26 +298,32 @@ def _cpu_flash_backward(dout, q, k, v, out, lse, causal, scale):
     return aten._scaled_dot_product_flash_attention_for_cpu_backward(dout, q, k, v, out, lse, 0.0, causal, scale=scale)
 
 
-def _cuda_flash_forward(q, k, v, causal, scale):
-    """PyTorch's CUDA flash kernel, the one SDPA runs for 16-bit inputs. It takes the last dim contiguous, fp16 or
-    bf16 alike for q, k, v, a head size that is a multiple of 8 up to 256 (SDPA pads; this call does not), and Hq a
-    multiple of Hkv. It returns out in the input dtype and lse [B, Hq, Lq] in float32."""
+def _cuda_forward(q, k, v, causal, scale, cudnn=False):
+    """PyTorch's CUDA flash kernel takes the last dim contiguous, fp16 or bf16 alike for q, k, v, a head size that is a
+    multiple of 8 up to 256 (SDPA pads; this call does not), Hq a multiple of Hkv. cuDNN's takes heads up to 128, two
+    keys or more (a causal block has), returns lse [B, Hq, Lq, 1], and runs causal blocks: a GPU held it to those."""
+    if cudnn and causal:
+        out, lse = aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, True, scale=scale)[:2]
+        return out.float(), lse.squeeze(-1)  # lse (B, Hq, Lq, 1) -> (B, Hq, Lq)
     out, lse = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)[:2]
     return out.float(), lse
 
 
-def _cuda_flash_backward(dout, q, k, v, out, lse, causal, scale):
-    """It takes dout and out in q's dtype, and reads the lse as a CONTIGUOUS [B, Hq, Lq] array without making it
-    one: a view of the ring's lse (half a block's rows, with zigzag) gives wrong gradients, silently, so it is
-    copied. Of its forward's bookkeeping it takes the lengths (not varlen) and, with no dropout, no random state."""
+def _cuda_backward(dout, q, k, v, out, lse, causal, scale, cudnn=False):
+    """Each reads the lse as CONTIGUOUS memory (a view of the ring's, zigzag's half rows, gives wrong gradients,
+    silently), and dout and out in q's dtype; cuDNN's with equal strides (PyTorch's own ring tripped that assert)."""
     no_rng = torch.zeros((), dtype=torch.int64, device=q.device)
+    if cudnn and causal:
+        dout, out, lse = (t.contiguous() for t in (dout.to(q.dtype), out.to(q.dtype), lse.unsqueeze(-1)))  # lse 4-D
+        return aten._scaled_dot_product_cudnn_attention_backward(dout, q, k, v, out, lse, no_rng, no_rng, None, None,
+                                                                 None, q.shape[2], k.shape[2], 0.0, True, scale=scale)
     return aten._scaled_dot_product_flash_attention_backward(
         dout.to(q.dtype), q, k, v, out.to(q.dtype), lse.contiguous(), None, None, q.shape[2], k.shape[2], 0.0, causal,
         no_rng, no_rng, scale=scale)
 
 
-FUSED = {"cpu_flash": (_cpu_flash_forward, _cpu_flash_backward),  # name: (forward, backward)
-         "cuda_flash": (_cuda_flash_forward, _cuda_flash_backward)}
+FUSED = {"cpu_flash": (_cpu_flash_forward, _cpu_flash_backward), "cuda_flash": (_cuda_forward, _cuda_backward),
+         "cudnn": (partial(_cuda_forward, cudnn=True), partial(_cuda_backward, cudnn=True))}
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -333,8 +337,7 @@ def token_index(layout, rank, R, L):
 
 
 def key_ranges(q_index, k_index, window=None, causal=True):
-    """Which keys each query sees, one run of k_index (its positions rise): (lo, hi) [Lq], query i seeing keys lo[i]
-    .. hi[i] - 1. Never a [Lq, Lk] mask."""
+    """(lo, hi) [Lq]: query i sees keys lo[i] .. hi[i] - 1, one run of k_index (its positions rise). Never a mask."""
     hi = torch.searchsorted(k_index, q_index, right=True) if causal else torch.full_like(q_index, len(k_index))
     lo = torch.searchsorted(k_index, q_index - window, right=True) if window else torch.zeros_like(hi)  # (Lq,)
     return lo, hi
@@ -353,8 +356,7 @@ def shard_for_ring(input_ids, labels, position_ids, ulysses_group, ring_group, l
     """Full sequences [B, S] -> this rank's [B, S_pad/P] input ids, labels (already shifted), position ids and token
     index (each token's position in the padded sequence), P = U x R. Pads to a multiple of 2P (P for a ring of one,
     as ulysses.shard_for_sp): input 0, label -100, positions counting on. Ring rank r takes zigzag chunks r and
-    2R-1-r of 2R, or layout(position_ids, R)[:, r] ([B, R, S_pad/R]: documents.document_layout); its U Ulysses ranks
-    split that in order."""
+    2R-1-r, or layout(position_ids, R)[:, r] ([B, R, S_pad/R]: documents.document_layout), split over its U ranks."""
     if input_ids.dim() != 2 or labels.shape != input_ids.shape or position_ids.shape != input_ids.shape:
         raise ValueError(f"shard_for_ring: input_ids {tuple(input_ids.shape)}, labels {tuple(labels.shape)}, "
                          f"position_ids {tuple(position_ids.shape)}: want [B, S] each, labels already shifted")
@@ -419,16 +421,14 @@ def gather_ring(x, group):
     return torch.stack(every)  # (R, B, L)
 
 
-def size_and_rank(group):
-    """(R, this process's rank in the group); (1, 0) for group=None, a ring of one rank."""
+def size_and_rank(group):  # (R, this process's rank in the group); (1, 0) for group=None, a ring of one rank
     return (1, 0) if group is None else (dist.get_world_size(group), dist.get_rank(group))
 
 
 # what torch.compile sees of the operators: their outputs' shapes and strides (new contiguous tensors), and autograd
 _ring_forward.register_fake(lambda q, k, v, *rest: (q.new_empty(q.shape), q.new_empty(
     q.shape[0], q.shape[2], q.shape[1], dtype=torch.promote_types(q.dtype, torch.float32))))  # out, lse (B, Hq, L)
-_ring_backward.register_fake(lambda dout, q, k, v, *rest: (q.new_empty(q.shape), k.new_empty(k.shape),
-                                                            v.new_empty(v.shape)))
+_ring_backward.register_fake(lambda dout, q, k, v, *rest: tuple(t.new_empty(t.shape) for t in (q, k, v)))
 
 
 def _keep_ring(ctx, inputs, output):
