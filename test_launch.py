@@ -102,6 +102,14 @@ def test_help_shows_the_defaults(capsys, script, argv):
         assert "(default: " in printed if argv else "attention,tiled" in printed
 
 
+def test_the_collectives_backend():
+    """gloo on CPU whatever --backend says; on CUDA, NCCL by default, or gloo for CUDA tensors too (several ranks on
+    one GPU)."""
+    assert [launch.collectives_backend(device, choice) for device in ("cpu", "cuda") for choice in ("nccl", "gloo")] \
+        == ["gloo", "gloo", "nccl", "cpu:gloo,cuda:gloo"]
+    assert launch.parse_args([]).backend == "nccl"
+
+
 def test_the_benchmarks_start_from_the_repository_root():
     """`python -m harness.bench CMD`, as every usage line gives it, run from the repository's root: the harness and
     the concept files it measures import by their names, and its help answers, exit 0."""

@@ -194,6 +194,8 @@ def parse_args(argv=None):
     p.add_argument("--new-schedule", action="store_true", help="with --resume: accept --steps, --lr or --warmup "
                    "other than the checkpoint's (the learning rate moves to the new schedule at once)")
     p.add_argument("--timeout", type=float, default=300, help="seconds a collective may wait for a peer")
+    p.add_argument("--backend", choices=["nccl", "gloo"], default="nccl", help="what carries the collectives of CUDA "
+                   "tensors: nccl, or gloo through host memory, which lets several ranks share one GPU")
     p.add_argument("--metrics", help="write one JSON line per optimizer step to this file (its folder is made if "
                    "missing)")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu",
@@ -343,16 +345,16 @@ def process_groups(args, world_size):
     check its files depends on its storage; a dead peer is ended by torchrun). While the block runs, every rank
     beats (`pulse`). At its end the groups are destroyed, those this run made."""
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    if args.device == "cuda":
-        torch.cuda.set_device(local_rank)
-        device = torch.device("cuda", local_rank)
+    if args.device == "cuda":  # with gloo, ranks past the GPUs share them
+        device = torch.device("cuda", local_rank % torch.cuda.device_count() if args.backend == "gloo" else local_rank)
+        torch.cuda.set_device(device)
     else:  # the processes of one machine share its cores, unless OMP_NUM_THREADS says how many threads each takes
         if "OMP_NUM_THREADS" not in os.environ:
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
         device = torch.device("cpu")
     owns_process_group = not dist.is_initialized()
     if owns_process_group:
-        backend, timeout = ("nccl" if device.type == "cuda" else "gloo"), datetime.timedelta(seconds=args.timeout)
+        backend, timeout = collectives_backend(device.type, args.backend), datetime.timedelta(seconds=args.timeout)
         if "MASTER_ADDR" in os.environ:  # torchrun
             # The processes meet through a key-value store (torchrun's agent hosts it). After torchrun restarts the
             # group, the store still holds the addresses of the processes that died; keys prefixed with the restart
@@ -363,7 +365,7 @@ def process_groups(args, world_size):
             store = dist.PrefixStore(f"restart_{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}", store)
             try:
                 dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout,
-                                        device_id=device if device.type == "cuda" else None)
+                                        device_id=device if backend == "nccl" else None)
             except RuntimeError as e:  # a rank that never came (its flags failed on its own node, say)
                 fail(f"the {world_size} ranks did not all join within --timeout {args.timeout:g} s; look for the "
                      f"line of a rank that stopped ({str(e).splitlines()[0]})", alike=False)
@@ -386,6 +388,11 @@ def process_groups(args, world_size):
             for group in {mesh.get_group(name) for name in mesh.mesh_dim_names} if mesh is not None else ():
                 if group != dist.group.WORLD:  # a mesh dimension that spans every rank reuses the caller's group
                     dist.destroy_process_group(group)
+
+
+def collectives_backend(device_type, choice):
+    """gloo on CPU; on CUDA, nccl, or gloo for the CUDA tensors too (staged through host memory)."""
+    return "gloo" if device_type == "cpu" else "nccl" if choice == "nccl" else "cpu:gloo,cuda:gloo"
 
 
 def device_mesh(args, world_size, device_type):

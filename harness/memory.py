@@ -263,7 +263,7 @@ def check_memory(args, world_size):
     """Refuse a run whose predicted peak exceeds the free GPU memory, or this rank's share of the machine's
     available RAM, before anything is allocated."""
     if args.device == "cuda":
-        have = torch.cuda.mem_get_info(int(os.environ.get("LOCAL_RANK", 0)))[0]
+        have = torch.cuda.mem_get_info()[0]  # of the GPU this rank uses (launch set it)
     elif os.path.exists("/proc/meminfo"):
         with open("/proc/meminfo") as f:
             have = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable"))
