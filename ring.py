@@ -78,8 +78,8 @@ def ring_attention(q, k, v, group=None, layout=None, window=None, causal=True, s
     return (out, lse.transpose(1, 2)) if return_lse else out  # lse (B, Hq, L) -> (B, L, Hq)
 
 
-# The ring as two operators (torch.library.custom_op), one call each to torch.compile, the group by name. Inside:
-# head-major views [B, heads, L, D]; indices [R, B or 1, L], every rank's positions; documents [B, S], or None.
+# The ring as two operators (custom_op: one call each to torch.compile), the group by name. Inside: head-major views
+# [B, heads, L, D]; indices [R, B or 1, L], every rank's positions; documents [B, S], or None.
 
 
 @torch.library.custom_op("ring::attention", mutates_args=())
@@ -103,7 +103,7 @@ def _ring_forward(q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None, documen
                 block_out, block_lse = block_attention(q_heads[batch, :, rows], block_k, block_v, lo, hi, scale, kernel)
                 merge(out[batch, :, rows], lse[batch, :, rows], block_out, block_lse)
             if step < R - 1:
-                kv = arrived(*incoming)
+                kv = arrived(*incoming, q.device)
         if sinks is not None:  # one more block, once per query, after all the others: lse = the sink, output 0
             merge(out, lse, 0.0, sinks.to(lse.dtype)[:, None])  # sinks (Hq,) -> (Hq, 1), against lse (B, Hq, L)
     return out.transpose(1, 2).to(q.dtype).contiguous(), lse  # (B, Hq, L, D) -> (B, L, Hq, D)
@@ -131,11 +131,11 @@ def _ring_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, l
                 dq[batch, :, rows] += block_dq
                 dkv[:, batch, :, cols] += torch.stack(block_dkv)  # (2, B, Hkv, cols, D)
             if step > 0:  # what the ranks before me added to this block's accumulator
-                dkv += arrived(*accumulator)
+                dkv += arrived(*accumulator, q.device)
             accumulator = pass_on(dkv, group, "backward") if R > 1 else (dkv, [])  # on towards home, after step R-1
             if step < R - 1:
-                kv = arrived(*incoming)
-        dk, dv = arrived(*accumulator).transpose(2, 3)  # my own block's, with every rank's term: (B, L, Hkv, D)
+                kv = arrived(*incoming, q.device)
+        dk, dv = arrived(*accumulator, q.device).transpose(2, 3)  # my own block's, every rank's term: (B, L, Hkv, D)
     dk, dv = (t.to(q.dtype).clone(memory_format=torch.contiguous_format) for t in (dk, dv))  # own their memory
     return dq.transpose(1, 2).to(q.dtype).contiguous(), dk, dv  # dq (B, Hq, L, D) -> (B, L, Hq, D)
 
@@ -143,6 +143,7 @@ def _ring_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, l
 def pass_on(x, group, phase):
     """Start sending x to the next rank and receiving the previous rank's: (received, works), see `arrived`."""
     R, r = size_and_rank(group)
+    x = x.cpu() if x.is_cuda and dist.get_backend(group) != "nccl" else x  # gloo sends no CUDA tensor point to point
     received = torch.empty_like(x)
     works = dist.batch_isend_irecv([dist.P2POp(dist.isend, x, group=group, group_peer=(r + 1) % R),
                                     dist.P2POp(dist.irecv, received, group=group, group_peer=(r - 1) % R)])
@@ -151,10 +152,10 @@ def pass_on(x, group, phase):
     return received, works
 
 
-def arrived(received, works):
+def arrived(received, works, device):  # the block, on the device it goes on from (it may come through host memory)
     for work in works:
         work.wait()
-    return received
+    return received.to(device)
 
 
 def _blocks(indices, mine, theirs, kv, documents, window, causal):
@@ -423,7 +424,6 @@ def gather_ring(x, group):
 
 def size_and_rank(group):  # (R, this process's rank in the group); (1, 0) for group=None, a ring of one rank
     return (1, 0) if group is None else (dist.get_world_size(group), dist.get_rank(group))
-
 
 # what torch.compile sees of the operators: their outputs' shapes and strides (new contiguous tensors), and autograd
 _ring_forward.register_fake(lambda q, k, v, *rest: (q.new_empty(q.shape), q.new_empty(
