@@ -73,16 +73,13 @@ evolves by the transitions alone, so the final state is [h_ext | M]. The outputs
 o_t = o_t(from 0) + s^T (T_t^T q_t), and the appended columns' outputs are T_t^T q_t (T_t: the transitions
 up to t). The convolution takes the W-1 tokens before a rank's first one from the rank that holds them
 (zeros at the sequence start, with their document starts). Backward is the same fold the other way: the
-gather's gradient sums each rank's part back to it. With a ring, the zigzag order gives a rank one run of the
-sequence or two, each a link of the chain: two when its Ulysses group has one rank, or an odd number and it sits
-in the middle, for its tokens then span the two chunks of its ring rank. The last ring rank's two chunks meet, so
-its ranks hold one run each. Any number of ranks, and the bytes do not grow with S:
+gather's gradient sums each rank's part back to it. With a ring, zigzag gives a rank one or two runs of the
+sequence (`token_runs`), each a link of the chain. Any number of ranks, and the bytes do not grow with S:
 (P-1) x [Dk, Dv + Dk] a value head and W-1 tokens, per run and row, forward and backward alike.
 
 The file reads: the recurrence, the chunked form, the convolution, the context-parallel way, gated_delta_net, the
-layer. It needs torch, ring.py (the token order), ulysses.py (the all-to-all), documents.py (document bounds) and
-tiled.py's at_least_float32. `python -m harness.bench deltanet` times the chunked form against the
-recurrence, and the two ways against each other.
+layer. It needs torch, ring.py, ulysses.py, documents.py and tiled.py. `python -m harness.bench deltanet` times
+the chunked form against the recurrence, and the two ways against each other.
 """
 
 import math
@@ -103,16 +100,12 @@ from ulysses import all_to_all_bytes, head_layout, heads_to_seq, seq_to_heads, s
 class DeltaNetConfig:
     """Gated DeltaNet's settings (gpt.GPTConfig holds them among its own). 0: n_head heads of n_embd / n_head."""
     conv_width: int = 4  # the causal convolution over the sequence
-    # key heads (q and k) and value heads (v, the state, the output: a multiple of the key heads, each key head
-    # serving gdn_v_heads / gdn_k_heads of them), and their sizes. Qwen3-Next: 16 and 32 heads of 128.
+    # key heads (q, k) and value heads (v, the state, the output), a multiple of them; Qwen3-Next: 16 and 32 of 128
     gdn_k_heads: int = 0
     gdn_v_heads: int = 0
     gdn_k_dim: int = 0
     gdn_v_dim: int = 0
-    # How the layers run under SP: "ulysses", whole value heads of the whole sequence on each rank (at most one
-    # rank a value head, no ring); "context", each rank its own tokens, the state's summaries gathered and folded
-    # (any number of ranks, beside a ring). The same result either way.
-    gdn_parallel: str = "ulysses"
+    gdn_parallel: str = "ulysses"  # under SP: "ulysses" moves the heads, "context" the state (beside a ring too)
 
     def resolve_deltanet(self, n_head, head_dim):
         """Each 0 to its default, then a ValueError naming a setting that does not fit."""
@@ -273,12 +266,8 @@ class _GatherThen(torch.autograd.Function):
 
 
 def zigzag_only(layout, ring_group):
-    """ValueError on every rank unless a ring's layout (what ring_attention takes: "zigzag", or each token's
-    position, [B, U L] for my ring rank) is zigzag: the state passes from ring rank to ring rank in that order."""
-    if isinstance(layout, str):
-        if layout == "zigzag":
-            return
-        raise ValueError(f"layout={layout!r}: Gated DeltaNet layers under a ring take the zigzag layout")
+    """ValueError on every rank unless a ring's tokens, each one's position [B, U L] on my ring rank, are laid out in
+    zigzag order: the state passes from ring rank to ring rank in that order."""
     every = gather_ring(layout, ring_group)  # (R, B, U L): every ring rank's, so all decide alike
     zigzag = torch.stack([token_index("zigzag", r, len(every), every.shape[2]) for r in range(len(every))])  # (R, U L)
     if not torch.equal(every, zigzag[:, None].expand_as(every).to(every.device)):
@@ -290,7 +279,8 @@ def zigzag_only(layout, ring_group):
 def token_runs(context, L):
     """Each rank's L local tokens as runs of consecutive global positions, in shard_for_sp's layout (zigzag with a
     ring): for rank r*U + u of the SP group (ring rank r, Ulysses rank u), [(first global position, first local
-    index, length)], one run or two."""
+    index, length)]. Two runs when a rank's tokens span both chunks of its ring rank (a Ulysses group of one rank, or
+    of an odd number and the rank in its middle), except on the last ring rank, whose two chunks meet; else one."""
     (U, _), (R, _) = (size_and_rank(group) for group in context)
     runs = []
     for r in range(R):
@@ -487,11 +477,9 @@ class GatedDeltaNet(nn.Module):
 
     def context_bytes(self, batch, tokens, element_bytes):
         """(forward, backward) bytes this rank sends per call on the context-parallel way, `tokens` local tokens in
-        each of `batch` rows: for each of n runs (the most a rank has: 1, or 2 in some zigzag orders) and row, to
-        each of the P-1 other ranks, the summary [h_ext | M], [Dk, Dv + Dk] a value head in float32 (or wider),
-        and the last W-1 tokens before the convolution (2*Hk*Dk + Hv*Dv channels and a document-start flag) in the
-        compute dtype. Backward sends their gradients the same way: the same bytes. Independent of the sequence
-        length."""
+        each of `batch` rows: for each of n runs (token_runs: 1 or 2) and row, to each of the P-1 other ranks, the
+        summary [h_ext | M], [Dk, Dv + Dk] a value head in float32 (or wider), and the last W-1 tokens before the
+        convolution (2*Hk*Dk + Hv*Dv channels and a start flag) in the compute dtype. Backward: the same bytes."""
         Hk, Hv, Dk, Dv = self.dims
         if self.parallel != "context":
             return 0, 0
@@ -504,9 +492,8 @@ class GatedDeltaNet(nn.Module):
 
 
 class GatedRMSNorm(nn.RMSNorm):
-    """The layer's output gate, RMSNorm(o) * silu(z) over each value head's Dv: nn.RMSNorm's weight and name, the
-    statistics in at least float32 whatever the dtypes of o and of the weight (bf16 when ZeRO-3 or FSDP2 gathers
-    it so), the normalised o in o's dtype."""
+    """The layer's output gate, RMSNorm(o) * silu(z) over each value head's Dv: nn.RMSNorm's weight and name, its
+    statistics in at least float32 (o and the weight may be bf16), the normalised o in o's dtype."""
 
     def forward(self, o, z):
         normed = F.rms_norm(at_least_float32(o), o.shape[-1:], at_least_float32(self.weight), self.eps)

@@ -195,7 +195,7 @@ def layer_kernels(cfg, sp_group=None, ring_group=None):
         full = gather_sequence(position_ids, sp_group) if packed else None  # (B, U S_local): where documents start
         if ring or cfg.sinks:  # the ring's kernel takes sinks: with sinks and no ring, a ring of one rank
             layout = gather_sequence(token_index, sp_group) if packed and ring and token_index is not None else "zigzag"
-            if "d" in cfg.layer_pattern and ring:  # their state passes from ring rank to ring rank in zigzag order
+            if "d" in cfg.layer_pattern and torch.is_tensor(layout):  # their state passes on in zigzag order
                 zigzag_only(layout, ring_group)
             attend = partial(ring_attention, group=ring_group, layout=layout, window=window, position_ids=full)
         elif packed:
