@@ -82,10 +82,13 @@ def _exchange(x: torch.Tensor, head_bounds: list[int], to_heads: bool, group_nam
     heads = [range(a, b) for a, b in zip(head_bounds[::2], head_bounds[1::2])]  # heads[j]: rank j's, P of them
     if to_heads:  # x: (B, S/P, H, D), my tokens of every head
         B, S_local, _, D = x.shape
-        send = torch.cat([x[:, :, h.start:h.stop].flatten() for h in heads])  # one copy: rank j's heads, rank by rank
+        sizes = [B * S_local * len(h) * D for h in heads]  # what I send rank j: my tokens of its heads
+        send = x.new_empty(sum(sizes))  # flat, rank by rank
+        for block, h in zip(send.split(sizes), heads):  # one copy in all
+            block.view(B, S_local, len(h), D).copy_(x[:, :, h.start:h.stop])
         received = x.new_empty(len(heads), B, S_local, len(heads[rank]), D)  # row i: rank i's tokens of my heads
         with _gloo_lets_go(received, send):
-            dist.all_to_all_single(received, send, None, [B * S_local * len(h) * D for h in heads], group=group)
+            dist.all_to_all_single(received, send, None, sizes, group=group)
         _count(direction, send.nbytes - received[rank].nbytes)  # my own block stays here
         return received.movedim(0, 1).flatten(1, 2)  # (P, B, S/P, H_r, D) -> (B, S, H_r, D), a copy unless B = 1
     # x: (B, S, H_r, D), all tokens of my heads
