@@ -44,9 +44,7 @@ from torch.distributed.distributed_c10d import _resolve_process_group  # a group
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# the exchange
-#
-# seq_to_heads on P = 2 (t0, t1: the two halves of the sequence; h0, h1: the heads of ranks 0 and 1):
+# the exchange. seq_to_heads on P = 2 (t0, t1: the two halves of the sequence; h0, h1: the heads of ranks 0 and 1):
 #
 #     rank 0 holds  x[t0, h0 h1]   sends x[t0, h1] to rank 1   receives x[t1, h0]   joins x[t0 t1, h0]
 #     rank 1 holds  x[t1, h0 h1]   sends x[t1, h0] to rank 0   receives x[t0, h1]   joins x[t0 t1, h1]
@@ -59,18 +57,16 @@ def seq_to_heads(x, group, heads=None):
     """[B, S/P, H, D] (my tokens, all heads) -> [B, S, H_r, D] (all tokens, my heads). heads[j]: the range of heads
     rank j receives (default H/P each, in order; head_layout's may be uneven, and share kv heads). Differentiable."""
     P, rank = size_and_rank(group)
-    heads = heads or head_layout(x.shape[2], 1, P)[0]
-    return x if P == 1 else _exchange(x, [b for h in heads for b in (h.start, h.stop)], True, group.group_name, rank,
-                                      "forward")
+    bounds = [b for h in heads or head_layout(x.shape[2], 1, P)[0] for b in (h.start, h.stop)]  # flat, for the op
+    return x if P == 1 else _exchange(x, bounds, True, group.group_name, rank, "forward")
 
 
 def heads_to_seq(x, group, heads=None):
     """[B, S, H_r, D] -> [B, S/P, H, D]: the inverse of seq_to_heads, with the same heads. A head that several ranks
     held comes back as the sum of theirs (a shared kv head's gradient). Differentiable."""
     P, rank = size_and_rank(group)
-    heads = heads or head_layout(x.shape[2] * P, 1, P)[0]
-    return x if P == 1 else _exchange(x, [b for h in heads for b in (h.start, h.stop)], False, group.group_name, rank,
-                                      "forward")
+    bounds = [b for h in heads or head_layout(x.shape[2] * P, 1, P)[0] for b in (h.start, h.stop)]
+    return x if P == 1 else _exchange(x, bounds, False, group.group_name, rank, "forward")
 
 
 @torch.library.custom_op("ulysses::exchange", mutates_args=())
@@ -110,8 +106,8 @@ def _exchange(x: torch.Tensor, head_bounds: list[int], to_heads: bool, group_nam
 
 @_exchange.register_fake
 def _exchange_shapes(x, head_bounds, to_heads, group_name, rank, direction):
-    """What torch.compile sees: an empty output, shaped and laid out as the exchange makes it. The rank is an
-    argument, so that each rank's compiled code (inductor caches it by its arguments) has its own shapes."""
+    """What torch.compile sees: an empty output shaped and laid out as the exchange makes it, for `rank` (an argument:
+    inductor caches code by its arguments, so each rank keeps its own shapes)."""
     heads = [range(a, b) for a, b in zip(head_bounds[::2], head_bounds[1::2])]
     if to_heads:
         B, S_local, _, D = x.shape
