@@ -206,7 +206,7 @@ def test_a_run_that_cannot_fit_the_gpu_is_refused(monkeypatch):
     """On CUDA the refusal weighs the prediction against the GPU's free memory (torch.cuda.mem_get_info; here
     stand-ins of a GPU with 1 GiB free of 80): one line with what would fit, before anything is allocated."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (2**30, 80 * 2**30))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (2**30, 80 * 2**30))  # the current GPU
     args = launch.parse_args(["--device", "cuda", "--seq-len", "1000000", "--batch-size", "1"])
     launch.check_args(args, 1)
     with pytest.raises(launch.Mistake, match=r"^this run would need [\d.]+ GiB per rank for 1,000,000 tokens a rank "
