@@ -72,9 +72,8 @@ def ring_attention(q, k, v, group=None, layout=None, window=None, causal=True, s
         sequence = torch.empty_like(every.transpose(0, 1).flatten(1))  # (B, S)
         sequence.scatter_(1, indices.expand_as(every).transpose(0, 1).flatten(1), every.transpose(0, 1).flatten(1))
         documents = (sequence == 0).cumsum(1)  # (B, S)
-    kernel = block_kernel(q.device.type, q.dtype, q.shape[-1]) if fused else "tiles"
     out, lse = _ring_forward(q, k, v, sinks, documents, indices, group.group_name if group else "", window, causal,
-                             q.shape[-1] ** -0.5 if scale is None else scale, kernel)
+                             q.shape[-1] ** -0.5 if scale is None else scale, fused)
     return (out, lse.transpose(1, 2)) if return_lse else out  # lse (B, Hq, L) -> (B, L, Hq)
 
 
@@ -85,10 +84,11 @@ def ring_attention(q, k, v, group=None, layout=None, window=None, causal=True, s
 @torch.library.custom_op("ring::attention", mutates_args=())
 def _ring_forward(q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None, documents: Tensor | None, indices: Tensor,
                   group_name: str, window: int | None, causal: bool, scale: float,
-                  kernel: str) -> tuple[Tensor, Tensor]:
+                  fused: bool) -> tuple[Tensor, Tensor]:
     """Pass the key/value blocks around and merge: (out [B, L, Hq, D], lse [B, Hq, L])."""
     group = _resolve_process_group(group_name) if group_name else None
     R, r = size_and_rank(group)
+    kernel = block_kernel(q.device.type, q.dtype, q.shape[-1]) if fused else "tiles"  # chosen here, out of a trace
     with torch.autocast(q.device.type, enabled=False):  # the merge in float32 (or float64), whatever autocast
         q_heads = q.transpose(1, 2)  # (B, L, Hq, D) -> (B, Hq, L, D), a view; each kernel widens what it must
         wide = torch.promote_types(q.dtype, torch.float32)
@@ -112,10 +112,11 @@ def _ring_forward(q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None, documen
 @torch.library.custom_op("ring::attention_backward", mutates_args=())
 def _ring_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, documents: Tensor | None,
                    indices: Tensor, group_name: str, window: int | None, causal: bool, scale: float,
-                   kernel: str) -> tuple[Tensor, Tensor, Tensor]:
+                   fused: bool) -> tuple[Tensor, Tensor, Tensor]:
     """A second ring carries each block's dk and dv home: (dq, dk, dv) shaped as q, k, v."""
     group = _resolve_process_group(group_name) if group_name else None
     R, r = size_and_rank(group)
+    kernel = block_kernel(q.device.type, q.dtype, q.shape[-1]) if fused else "tiles"
     with torch.autocast(q.device.type, enabled=False):
         q, out, dout = (t.transpose(1, 2) for t in (q, out, dout))  # (B, L, Hq, D) -> (B, Hq, L, D), views
         dq = q.new_zeros(q.shape, dtype=torch.promote_types(q.dtype, torch.float32))  # (B, Hq, L, D)
@@ -281,7 +282,6 @@ def block_kernel(device_type, dtype, head_dim, gpu=None):
     return "cudnn" if major == 9 and cudnn > 91500 and head_dim <= 128 else "cuda_flash"
 
 
-@torch.compiler.assume_constant_result  # torch.compile reads it once, as a constant
 def cuda_gpu():  # (compute capability, cuDNN version) of the current GPU: ((9, 0), 91900), an H200 with cuDNN 9.19
     return torch.cuda.get_device_capability(), torch.backends.cudnn.version() or 0
 

@@ -585,9 +585,9 @@ def test_the_cudnn_kernel_on_the_blocks_the_ring_gives_flash(dtype, D):
 
 @cuda_only
 def test_ring_attention_compiles_on_the_gpu():
-    """ring_attention(group=None) under torch.compile with fullgraph on the GPU, bf16, head size 64: block_kernel
-    reads the GPU once as the graph is traced (`cuda_gpu`), and the compiled call, forward and backward, matches the
-    eager one."""
+    """ring_attention(group=None) under torch.compile with fullgraph on the GPU, bf16, head size 64: the ring's
+    operators choose their block kernel inside, where the graph does not look, and the compiled call, forward and
+    backward, matches the eager one."""
     q, k, v, grad_out = (t.cuda() for t in case_inputs(torch.bfloat16, 64, S=256))
 
     def run(attend):
