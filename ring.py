@@ -402,7 +402,7 @@ def check_same_inputs(q, k, v, sinks, group):
            and k.shape[2] > 0 and q.shape[2] % k.shape[2] == 0 and q.dtype == k.dtype == v.dtype and q.dtype in dtypes
            and (sinks is None or sinks.shape == q.shape[2:3]))
     mine = [*q.shape, k.shape[2], dtypes.index(q.dtype)] if fit else [-1] * 6  # B, L, Hq, D, Hkv, dtype
-    every = gather_ring(torch.tensor([mine], device=q.device), group)[:, 0].tolist()  # (R, 6): one all-gather
+    every = gather_ring(torch.tensor([mine], device=q.device if group else "cpu"), group)[:, 0].tolist()  # (R, 6)
     if every[0][0] < 0 or any(row != every[0] for row in every):
         shown = "; ".join(f"{rank}: {'unfit' if row[0] < 0 else [*row[:5], dtypes[row[5]]]}"
                           for rank, row in enumerate(every))
