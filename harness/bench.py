@@ -18,7 +18,8 @@ that teach a concept, so those read as their lesson. Run it from the repository'
     python -m harness.bench balance    # packed documents under a ring: each rank's causal work and the step time,
                                        # zigzag against per-document balance
     python -m harness.bench gpu        # on a CUDA GPU: the ring's block kernel and ulysses_attention against SDPA,
-                                       # the chunked gated delta rule against FLA's Triton kernel
+                                       # the chunked gated delta rule against FLA's Triton kernel; --profile S: a
+                                       # 0.7B model's compiled step under torch.profiler
 
 Multi-rank measurements start their own gloo processes on this machine; `python -m harness.bench CMD --help` lists
 the options of each.
@@ -983,6 +984,8 @@ def gpu(args):
         print(f"S {S:6}: SDPA {times[0]:7.2f} ms ({7 * S * S * 16 * 128 / times[0] / 1e9:.0f} TFLOP/s)   "
               f"ring_attention {times[1]:7.2f} ms ({times[1] / times[0]:.2f}x)   ulysses_attention "
               f"{times[2]:7.2f} ms ({times[2] / times[0]:.2f}x)", flush=True)
+    if args.profile:
+        profile_step(args.profile, milliseconds)
     try:
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule
     except ImportError:
@@ -1000,6 +1003,51 @@ def gpu(args):
             difference = (theirs().float() - ours()).norm() / ours().norm()
             print(f"S {S:6}: ours {milliseconds(ours):7.2f} ms   FLA {milliseconds(theirs):6.2f} ms   outputs "
                   f"{difference:.1e} apart (relative)", flush=True)
+
+
+def profile_step(S, milliseconds):
+    """One training step of README's 0.7B model (16 layers, n_embd 2048, 16 query and 4 kv heads, vocab 256) at S
+    tokens, bf16, each block compiled as train.py --compile does, under torch.profiler: its time, and the kernels that
+    take it, by GPU time. FLOPs as train.py's summary counts them (6 x parameters + 12 x layers x S x n_embd a token,
+    attention in full), and with the causal half of attention's."""
+    from torch.profiler import ProfilerActivity, profile
+    cfg = gpt.GPTConfig(n_layer=16, n_embd=2048, n_head=16, n_kv_head=4)
+    model = gpt.GPT(cfg).cuda()
+    for block in model.blocks:
+        block.forward = torch.compile(block.forward)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    idx = torch.randint(0, cfg.vocab_size, (1, S), device="cuda")
+    positions = torch.arange(S, device="cuda")[None]  # (1, S)
+
+    def step():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss_sum, _ = model(idx, positions, idx)
+        (loss_sum / S).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    for _ in range(2):  # compiles
+        step()
+    seconds = milliseconds(step) / 1e3
+    n = sum(p.numel() for p in model.parameters())
+    full = (6 * n + 12 * cfg.n_layer * S * cfg.n_embd) * S
+    half = full - 6 * cfg.n_layer * S * cfg.n_embd * S
+    print(f"\n0.7B model, S {S}, compiled, one step: {seconds * 1e3:.1f} ms, {S / seconds:,.0f} tokens/s, MFU "
+          f"{half / seconds / 989e12:.1%} (causal attention at half), {full / seconds / 989e12:.1%} (in full), "
+          f"against 989 TFLOP/s", flush=True)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    total = sum(e.self_device_time_total for e in kernels)
+    kinds = {"attention (cuDNN)": "sdpa|attention|flash", "matmuls (cuBLAS)": "nvjet|gemm|cutlass|xmma",
+             "the rest": ""}
+    shares = dict.fromkeys(kinds, 0.0)
+    for e in kernels:
+        shares[next(kind for kind, names in kinds.items() if re.search(names, e.key))] += e.self_device_time_total
+    print(f"GPU time {total / 1e3:.1f} ms: " + ", ".join(f"{kind} {t / total:.0%}" for kind, t in shares.items()))
+    for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:10]:
+        print(f"{e.self_device_time_total / 1e3:8.1f} ms {e.self_device_time_total / total:6.1%} x{e.count:<4} "
+              f"{e.key[:100]}", flush=True)
 
 
 def main(argv=None):
@@ -1075,6 +1123,8 @@ def main(argv=None):
     p = command("gpu", "on a CUDA GPU: the attention kernels and the gated delta rule beside their fast peers")
     p.add_argument("--seq-lens", type=int, nargs="+", default=[8192, 32768], help="tokens, one row each")
     p.add_argument("--reps", type=int, default=5, help="timed repetitions (after one warm-up)")
+    p.add_argument("--profile", type=int, metavar="S", help="also one training step of a 0.7B model at S tokens, "
+                   "compiled, under torch.profiler: its MFU and the kernels that take its time")
     args = parser.parse_args(argv)
     if args.command in ("ring", "balance") and any(args.seq_len % (2 * P) for P in args.ranks):
         parser.error(f"--seq-len {args.seq_len}: must be a multiple of 2 x every P in --ranks (the zigzag chunks)")
