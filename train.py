@@ -41,7 +41,6 @@ A plain `python train.py` is a process group of one, so the same collectives run
 """
 
 import math
-from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -59,21 +58,22 @@ def main(argv=None):
     """The run, top to bottom. Returns its history: a dict a step (loss, accuracy, grad_norm, lr, tokens, seconds)."""
     args = launch.parse_args(argv)  # the flags
     with launch.one_line_errors():  # a mistake: one line, and exit status 1 on every rank
-        if args.plan:  # --plan NxG: the memory this run takes on N GPUs of G GiB (with --dry-run, traced); no run
-            return memory.plan(args, partial(build, args))
+        if args.plan:  # --plan NxG: this run's step traced on fake tensors as on N GPUs of G GiB; no run
+            return memory.plan(args, build)
+        # on CUDA: the step traced, before any process group (a trace makes its own); a run that cannot fit stops here
+        traced = memory.check(args, build)
         # the flags checked; the process groups and the dp x ring x ulysses mesh; --data read on every rank
         with launch.started(args) as run:
-            memory.check(args, run)  # a run that cannot fit is refused before it allocates anything
             with checkpoint.out_dir(args, run, lr_at) as resume_from:  # this run's alone; None: start afresh
-                return train(args, run, resume_from)
+                return train(args, run, resume_from, traced)
 
 
-def train(args, run, resume_from):
+def train(args, run, resume_from, traced=None):
     """Model and sharding, optimizer, resume, the loop, the summary. run: launch.started's (device, mesh, rank,
-    world_size, documents)."""
+    world_size, documents); traced: memory.check's (None on CPU)."""
     model, zero, optimizer, n_params, train_on = build(args, run.world_size, run.mesh, run.device)
     start_step = checkpoint.restore(resume_from, model, zero, optimizer) if resume_from else 0  # steps done
-    with report.Log(args, run, model, optimizer, zero, n_params, start_step) as log:  # rank 0 prints the lines
+    with report.Log(args, run, model, optimizer, zero, n_params, start_step, traced) as log:  # rank 0 prints
         for step in range(start_step, args.steps):
             with log.measuring(step):  # its seconds; the last step's peak memory; where a long step is
                 loss, accuracy, grad_norm, lr = train_on(step, run.documents)
@@ -87,7 +87,7 @@ def train(args, run, resume_from):
 def build(args, world_size, mesh, device, host=torch.device("cpu")):
     """The model on `device`, sharded over every rank, its optimizer, and step(i, documents), which runs optimizer
     step i of this rank on its micro-batches (steps 1 to 7). host: where --offload and --offload-optimizer keep what
-    they move off the device. --dry-run runs it on fake tensors (memory.dry_run)."""
+    they move off the device. memory.py runs it on fake tensors (memory.trace)."""
     torch.manual_seed(args.seed)  # every rank builds the same initial model
     # the mesh is dp x ring x ulysses, row-major: a Ulysses group's ranks are consecutive (the fastest links)
     dp, sp_groups = world_size // args.sp, (mesh.get_group("ulysses"), mesh.get_group("ring"))

@@ -4,7 +4,8 @@ ignored while you do. train.py reaches each service here by one named call.
 
     launch.py       the flags and their checks, the process groups, errors every rank agrees on, failure handling
     checkpoint.py   sharded checkpoints that resume on any layout; the out-dir; the --metrics file
-    memory.py       memory: predicted (--plan), measured (the last step's peak), traced on fake tensors (--dry-run)
+    memory.py       memory: measured (the last step's peak), traced on fake tensors (--plan; a GPU run's fit check)
+    fakes.py        the world a traced step runs in: fake tensors, the peers' token data, what a GPU decides
     report.py       what a run prints: its opening line, each step's progress, the summary
     bench.py        every measurement of BENCHMARKS.md: python -m harness.bench --help
 

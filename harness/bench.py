@@ -8,9 +8,9 @@ that teach a concept, so those read as their lesson. Run it from the repository'
     python -m harness.bench tiled      # what sequence tiling saves in the MLP and the loss (tiled.py)
     python -m harness.bench deltanet   # the gated delta rule, chunked against the token-by-token recurrence; the
                                        # layer under SP, Ulysses against context parallelism (deltanet.py)
-    python -m harness.bench memory     # train.py's predicted peak memory per rank against the measured one
+    python -m harness.bench memory     # train.py's measured peak memory per rank against its traced step
     python -m harness.bench plans      # ALST's table: Llama-3-8B's longest sequence on 1, 8 and 32 GPUs, by the
-                                       # predictor and by train.py --plan --dry-run; the peaks at ALST's lengths
+                                       # traced step (train.py --plan); the peaks at ALST's lengths
     python -m harness.bench compile    # train.py eager against --compile: the first step (which compiles), the rest
     python -m harness.bench ring       # Ulysses, ring and Ulysses x Ring on the same ranks: time, bytes, calls,
                                        # memory; the ring's fused block kernel against its einsum tiles and one
@@ -609,7 +609,7 @@ def deltanet_ways(args):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# python -m harness.bench memory: train.py's prediction against its measured peak, the busiest rank
+# python -m harness.bench memory: train.py's measured peak against its traced step (memory.planned), the busiest rank
 
 
 def train_run(P, argv):
@@ -627,7 +627,8 @@ def train_run(P, argv):
 
 
 def memory_(args):
-    print(f"peak tensor memory per rank, MiB, measured (the last of 2 steps, busiest rank) / predicted; "
+    import train  # its build, which the trace runs
+    print(f"peak tensor memory per rank, MiB, measured (the last of 2 steps, busiest rank) / traced; "
           f"train.py --batch-size 1 --steps 2 {' '.join(args.flags)}")
     rows = [(S, extra) for S in args.seq_lens for extra in ([], ["--tiles", "4"], ["--recompute"],
                                                              ["--tiles", "4", "--recompute"])]
@@ -640,7 +641,8 @@ def memory_(args):
                 measured = train_run(P, argv + ["--steps", "2", "--batch-size", "1"])[-1]["peak_bytes"]
             flags = launch.parse_args(argv + ["--batch-size", "1"])
             launch.check_args(flags, P)
-            cells.append(f"{measured / 2**20:.1f} / {memory.predicted(flags, P)['peak'] / 2**20:.1f}")
+            traced = memory.planned(flags, P, train.build, cuda=False)["device"]
+            cells.append(f"{measured / 2**20:.1f} / {traced / 2**20:.1f}")
         print(f"{S:>8,} {' '.join(extra):<24}" + "".join(f"{cell:>16}" for cell in cells), flush=True)
     print("\nwhat measuring costs: train.py --n-embd 32 --steps 6 --n-layer L, one process; seconds of the measured "
           "(last) step against the median of steps 2 to 5")
@@ -653,74 +655,48 @@ def memory_(args):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# python -m harness.bench plans: ALST's table, row for row: Llama-3-8B on 1, 8 and 32 GPUs, the longest sequence by the
-# predictor and by the dry run (train.py --plan --dry-run), and the peaks at ALST's lengths
+# python -m harness.bench plans: ALST's table, row for row: Llama-3-8B on 1, 8 and 32 GPUs, the longest sequence by
+# the traced step (train.py --plan's trace and search), and the peaks at ALST's lengths
 
 ALST = {1: 500_000, 8: 3_700_000, 32: 15_000_000}  # its longest sequences for Llama-8B (arXiv 2506.13996)
 
 
 def alst_flags(gpus, gib, S):
     """train.py's flags for Llama-3-8B on `gpus` GPUs of `gib` GiB with ALST's settings: ZeRO-3 with the optimizer in
-    CPU memory, recomputation with the block inputs in CPU memory, the MLP in tiles of about h tokens (ALST's rule)
-    and the loss in tiles of 2,048 (a tile's float32 logits: 1 GiB), Ulysses over every GPU."""
+    CPU memory, recomputation with the block inputs in CPU memory, the MLP in tiles of about 4,096 tokens and the
+    loss in tiles of 2,048 (a tile's float32 logits: 1 GiB), Ulysses over every GPU."""
     local = math.ceil(S / gpus)
     return ["--model", "llama3-8b", "--plan", f"{gpus}x{gib}", "--seq-len", str(S), "--batch-size", "1",
             "--recompute", "--offload", "--offload-optimizer", "--tiles", str(math.ceil(local / 4096)),
             "--loss-tiles", str(math.ceil(local / 2048))]
 
 
-def planned(gpus, gib, S):
-    """memory.py's prediction of alst_flags: {"peak", "host", ...} in bytes."""
+def traced(gpus, gib, S):
+    """The step of alst_flags traced as train.py --plan traces it (memory.planned): {"device", "host", ...}, bytes."""
+    import train  # its build: the model, sharding and optimizer that the trace runs
     args = launch.parse_args(alst_flags(gpus, gib, S))
     launch.check_args(args, gpus)
-    return memory.predicted(args, gpus, cuda=True)
-
-
-def traced(gpus, gib, S):
-    """train.py --plan --dry-run of alst_flags: (fits, GPU GiB, CPU GiB per GPU, seconds), as its line prints them."""
-    command = [sys.executable, os.path.join(ROOT, "train.py"), "--dry-run", *alst_flags(gpus, gib, S)]
-    with measuring(f"{gpus} GPUs, {S:,} tokens: train.py --plan --dry-run"):
-        done = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    line = re.search(r"^dry run: .* in ([\d.]+) s: (fits|does NOT fit): ([\d,.]+) GiB per GPU .*, ([\d,.]+) GiB in CPU "
-                     r"memory", done.stdout, re.M)
-    if line is None:
-        raise SystemExit(f"harness.bench: train.py {' '.join(command[2:])} printed no dry run:\n{done.stderr[-2000:]}")
-    seconds, fits, device, host = line.groups()
-    return fits == "fits", float(device.replace(",", "")), float(host.replace(",", "")), float(seconds)
-
-
-def longest(fits, guess, factor, tolerance):
-    """The longest S with fits(S), from a guess: grown (or shrunk) by `factor` until one S fits and a longer one does
-    not, then bisected to within `tolerance` of S. 0 if none fits."""
-    lo, hi, S = 0, math.inf, guess  # lo fits (0: none yet), hi does not
-    while hi == math.inf or lo == 0 or hi - lo > tolerance * lo:
-        if S < 1:
-            return 0
-        lo, hi = (S, hi) if fits(S) else (lo, S)
-        S = round(lo * factor) if hi == math.inf else round(hi / factor) if lo == 0 else (lo + hi) // 2
-    return lo
+    return memory.planned(args, gpus, train.build)
 
 
 def plans(args):
-    gib = args.gib
-    settings = " ".join(alst_flags(1, gib, 1)[6:-4])
-    print(f"Llama-3-8B on GPUs of {gib} GiB with ALST's settings (train.py --model llama3-8b {settings}, the "
-          f"tiles as S/4,096 and S/2,048 tokens a rank); the longest sequence by the predictor and by the dry run (to "
-          f"within {args.tolerance:.0%}), and at ALST's length the dry run's GPU and CPU memory per GPU, GiB",
-          flush=True)
+    gib, settings = args.gib, " ".join(alst_flags(1, args.gib, 1)[6:-4])
+    print(f"Llama-3-8B on GPUs of {gib} GiB with ALST's settings (train.py --model llama3-8b {settings}, the tiles as "
+          f"S/4,096 and S/2,048 tokens a rank): the longest sequence by the traced step (to within "
+          f"{args.tolerance:.0%}), and at ALST's length the traced GPU and CPU memory per GPU, GiB", flush=True)
     rows = []
     for gpus in args.gpus:
-        by_plan = longest(lambda S: planned(gpus, gib, S)["peak"] <= gib * 2**30, ALST[gpus], 2, 1 / 256)
-        by_dry_run, traced_there = "-", "-"
-        if args.dry_runs:
-            by_dry_run = f"{longest(lambda S: traced(gpus, gib, S)[0], by_plan, 1 + args.tolerance, args.tolerance):,}"
-            _, device, host, seconds = traced(gpus, gib, ALST[gpus])
-            traced_there = f"{device:.1f} GPU, {host:.1f} CPU ({seconds:.0f} s)"
-        predicted = planned(gpus, gib, ALST[gpus])
-        rows.append((gpus, by_plan, by_dry_run))
-        print(f"{gpus:>3} GPUs: ALST {ALST[gpus]:>10,} | plan {by_plan:>10,} | dry run {by_dry_run:>10} | at "
-              f"{ALST[gpus]:,}: dry run {traced_there}, predicted {predicted['peak'] / 2**30:.1f} GPU, "
-              f"{predicted['host'] / 2**30:.1f} CPU", flush=True)
+        peaks, start = {}, time.perf_counter()
+
+        def peak(S):
+            peaks[S] = peaks.get(S) or traced(gpus, gib, S)
+            return peaks[S]["device"]
+        with measuring(f"{gpus} GPUs: the longest sequence, by traces"):
+            longest = memory.longest(peak, ALST[gpus], gib * 2**30, args.tolerance, gpus)
+        seconds, at = time.perf_counter() - start, peaks[ALST[gpus]]
+        rows.append((gpus, longest))
+        print(f"{gpus:>3} GPUs: ALST {ALST[gpus]:>10,} | traced {longest:>10,} ({len(peaks)} traces, {seconds:.0f} "
+              f"s) | at {ALST[gpus]:,}: {at['device'] / 2**30:.1f} GPU, {at['host'] / 2**30:.1f} CPU", flush=True)
     if args.figure:
         draw_plans(rows, gib, args.figure)
 
@@ -735,15 +711,13 @@ def draw_plans(rows, gib, path):
     except ImportError:
         print("no picture: matplotlib is not installed (the table above is the result)")
         return
-    gpus = [g for g, _, _ in rows]
+    gpus = [g for g, _ in rows]
     series = [("ALST (reported)", "s-", [ALST[g] for g in gpus]),
-              ("this project, predicted (--plan)", "o--", [p for _, p, _ in rows])]
-    if all(d != "-" for _, _, d in rows):
-        series.append(("this project, traced (--dry-run)", "o-", [int(d.replace(",", "")) for _, _, d in rows]))
+              ("this project, traced (--plan)", "o-", [n for _, n in rows])]
     fig, ax = plt.subplots(figsize=(6.4, 4.4))
     for i, (label, style, tokens) in enumerate(series):
         ax.plot(gpus, tokens, style, label=label)
-        for g, n in zip(gpus, tokens) if i in (0, len(series) - 1) else ():  # ALST's and ours, the last series
+        for g, n in zip(gpus, tokens):
             ax.annotate(f"{n / 1e6:.2f}M", (g, n), textcoords="offset points", xytext=(6, 4 if i else -12), fontsize=8)
     ax.set(xscale="log", yscale="log", xlabel=f"GPUs of {gib} GiB (H100)", ylabel="longest sequence, tokens",
            title="Llama-3-8B: the longest sequence that trains")
@@ -1085,20 +1059,18 @@ def main(argv=None):
     p.add_argument("--reps", type=int, default=3, help="timed repetitions")
     p.add_argument("--seq-lens", type=int, nargs="+", default=[1024, 4096, 16384], help="the layer under SP: "
                    "sequence lengths, one row each (P = 2 and 4)")
-    p = command("memory", "train.py's predicted peak memory against the measured one")
+    p = command("memory", "train.py's measured peak memory against its traced step")
     p.add_argument("--seq-lens", type=int, nargs="+", default=[1024, 4096], help="sequence lengths, one row each")
     p.add_argument("--sp", type=int, nargs="+", default=[1, 2, 4], help="SP sizes, one column each")
     p.add_argument("--flags", nargs=argparse.REMAINDER, default=[], help="more train.py flags, last on the line, "
                    "e.g. --flags --layer-pattern ddda")
     p.add_argument("--depths", type=int, nargs="*", default=[2, 50, 200], help="layer counts of a tiny model whose "
                    "measured step is timed against an ordinary one (none: skip)")
-    p = command("plans", "ALST's table: Llama-3-8B's longest sequence on 1, 8 and 32 GPUs, predicted and traced")
+    p = command("plans", "ALST's table: Llama-3-8B's longest sequence on 1, 8 and 32 GPUs, by the traced step")
     p.add_argument("--gpus", type=int, nargs="+", default=[1, 8, 32], choices=sorted(ALST), help="GPU counts, a row "
                    "each")
     p.add_argument("--gib", type=int, default=80, help="memory of a GPU")
-    p.add_argument("--tolerance", type=float, default=0.01, help="the dry run's search stops this close to the longest")
-    p.add_argument("--dry-runs", action=argparse.BooleanOptionalAction, default=True, help="trace with train.py "
-                   "--dry-run (minutes each); --no-dry-runs: the predictor alone")
+    p.add_argument("--tolerance", type=float, default=0.01, help="the search stops this close to the longest")
     p.add_argument("--figure", default="figures/plans.png", help="the picture's file (matplotlib; none: '')")
     p = command("compile", "train.py eager against --compile: compile time and step time")
     p.add_argument("--sp", type=int, nargs="+", default=[2, 4], help="ranks (all sequence-parallel), one row pair each")

@@ -12,7 +12,7 @@ hanging, and a copy that exits 0 from a failed run tells its node's launcher tha
      the group's store. Before the mesh, the ranks compare their flags, and after reading the data its bytes
      (`same_everywhere`): nodes started with other flags, or with a stale copy of the data, stop with one line
      instead of training wrong;
-  3. what one rank may find alone (its data file, its memory, its disk) is agreed in one small all-gather
+  3. what one rank may find alone (its data file, its disk) is agreed in one small all-gather
      (`agreed`): if any rank found a problem, every rank exits 1. The rank that found it prints its line, naming
      itself; rank 0 prints it too when it runs on another node, so each node's log says why its run failed;
   4. a collective that fails (a peer died, or waited past --timeout) ends its rank with one line naming the
@@ -200,9 +200,9 @@ def parse_args(argv=None):
                    "missing)")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu",
                    help="where the model computes: cuda where torch finds a GPU")
-    p.add_argument("--plan", metavar="NxG", help="print the predicted memory per rank on N GPUs of G GiB, and exit")
-    p.add_argument("--dry-run", action="store_true", help="with --plan: also run the training step, as the GPUs would, "
-                   "on fake tensors (shapes without memory) on one rank of the N, and print its peak memory")
+    p.add_argument("--plan", metavar="NxG", help="trace the training step on fake tensors as on N GPUs of G GiB (one "
+                   "process, no GPU): print its peak memory per GPU and the longest sequence that fits, and exit")
+    p.add_argument("--dry-run", action="store_true", help="with --plan: the same as --plan alone, which traces the step")
     preset = p.parse_known_args(argv)[0].model  # a preset's shape stands in for the defaults of the model flags
     p.set_defaults(**PRESETS.get(preset, {}))
     return p.parse_args(argv)
@@ -275,19 +275,6 @@ def check_args(args, world_size):
         fail("--offload keeps the block inputs that --recompute saves in CPU memory; add --recompute")
     if args.offload_optimizer and args.zero != "3":
         fail(f"--offload-optimizer moves ZeRO-3's shards and AdamW to CPU memory; use --zero 3, not --zero {args.zero}")
-    if args.dry_run and not args.plan:
-        fail("--dry-run traces the run that --plan NxG describes: add --plan, e.g. --plan 8x80")
-    if args.dry_run and args.pack:  # fake tensors hold shapes, not values; everything else has shapes set by flags
-        fail("--dry-run cannot trace --pack: the documents' lengths set the attention kernels' shapes, and a dry run's "
-             "tensors hold no values; drop --pack")
-    if args.dry_run and args.compile:
-        fail("--dry-run traces the eager step, not compiled code; drop --compile")
-    if args.dry_run and (args.ring > 1 or args.sinks):
-        fail("--dry-run cannot see inside ring.py's operator, which runs --ring and --sinks (its key/value blocks and "
-             "float32 accumulators), so it would count short; drop --dry-run (--plan alone counts them)")
-    if args.dry_run and "d" in args.layer_pattern and args.gdn_parallel == "context":
-        fail("--dry-run cannot trace --gdn-parallel context: where each rank's runs of tokens start is computed from "
-             "index tensors, and a dry run's tensors hold no values; use --gdn-parallel ulysses")
     if args.device == "cuda" and not torch.cuda.is_available() and args.plan is None:
         fail("--device cuda, but torch sees no CUDA device; choose --device cpu")
     if (args.resume or args.save_every or args.keep) and args.out_dir is None:

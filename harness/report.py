@@ -5,7 +5,7 @@ sent beside the formula. train.py opens a `Log` around its loop and ends it with
 """
 
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
 import torch.distributed as dist
@@ -24,15 +24,16 @@ class Log:
     records the step: the history, the progress bar, --metrics. As a context manager it closes what it opened, and
     a collective that failed becomes one line naming it (launch.collective_failure)."""
 
-    def __init__(self, args, run, model, optimizer, zero, n_params, start_step):
+    def __init__(self, args, run, model, optimizer, zero, n_params, start_step, traced=None):
         self.args, self.run, self.model, self.optimizer, self.n_params = args, run, model, optimizer, n_params
+        self.traced = traced  # memory.check's trace of the step (CUDA), or None
         self.step, self.seconds, self.history = start_step, None, []
         # rank 0 writes --metrics; this all-gather also waits for every rank to load its checkpoint, however long its
         # storage takes, before the first collective of the step, which has a --timeout deadline
         self.metrics = launch.agreed(run.control, lambda: checkpoint.Metrics(args.metrics, start_step)
                                      if run.rank == 0 and args.metrics else None)
         if run.rank == 0:
-            opening(args, run, n_params)
+            opening(args, run, n_params, traced)
         self.peak = memory.PeakMemory(model, optimizer, zero, run.device, host=args.offload or args.offload_optimizer)
         for reset in (ulysses.reset_all_to_all_stats, ring.reset_ring_stats, deltanet.reset_context_stats):
             reset()  # the summary counts the bytes of this run's steps
@@ -55,7 +56,7 @@ class Log:
         """Around step `step`: its seconds; the last step's peak memory (every step is alike: the last is measured)."""
         self.step, start = step, time.perf_counter()
         self.progress.begin(step)
-        with self.peak.measure(step == self.args.steps - 1):
+        with self.peak.measure() if step == self.args.steps - 1 else nullcontext():
             yield
         self.seconds = time.perf_counter() - start
         self.progress.end()
@@ -80,21 +81,22 @@ class Log:
         last step's gradients."""
         self.bar.close()
         if self.history:
-            summary(self.args, self.history, self.model, self.optimizer, self.n_params, self.run)
+            summary(self.args, self.history, self.model, self.optimizer, self.n_params, self.run, self.traced)
 
 
-def opening(args, run, n_params):
+def opening(args, run, n_params, traced):
     dp = run.world_size // args.sp
     usp = f" (ulysses {args.sp // args.ring} x ring {args.ring})" if args.ring > 1 else ""
+    peak = f" | traced peak {traced['device'] / 2**20:,.2f} MiB per rank" if traced else ""  # CUDA runs are traced
     print(f"world {run.world_size} = dp {dp} x sp {args.sp}{usp} | zero {args.zero} | {n_params / 1e6:.2f}M parameters "
           f"| seq {args.seq_len} | global batch {dp * args.batch_size * args.grad_accum} sequences | {run.device} | "
-          f"{args.dtype} | predicted peak {memory.predicted(args, run.world_size)['peak'] / 2**20:,.2f} MiB per rank")
+          f"{args.dtype}{peak}")
     if run.documents is not None:
         samples = args.steps * dp * args.batch_size * args.grad_accum
         print(f"data {args.data}: {data.describe(run.documents, args.pack, args.seq_len, samples)}")
 
 
-def summary(args, history, model, optimizer, n_params, run):
+def summary(args, history, model, optimizer, n_params, run, traced):
     local = lambda t: (t.to_local() if hasattr(t, "to_local") else t).nbytes  # FSDP2: DTensors, count this rank's
     shards = [p for group in optimizer.param_groups for p in group["params"]]  # under ZeRO: this rank's
     state = [sum(local(p) for p in shards), sum(local(p.grad) for p in shards if p.grad is not None),
@@ -111,13 +113,12 @@ def summary(args, history, model, optimizer, n_params, run):
     print(f"model state per rank (max over ranks): params {mib(params)} + grads {mib(grads)} + optimizer "
           f"{mib(optim)} = {mib(params + grads + optim)}{' in host memory' * args.offload_optimizer}; unsharded fp32 "
           f"{mib(16 * n_params)}, / {run.world_size} ranks = {mib(16 * n_params / run.world_size)}")
-    how, predicted = ("torch.cuda.max_memory_allocated" if run.device.type == "cuda" else "storages counted, last step",
-                      memory.predicted(args, run.world_size))
+    how = "torch.cuda.max_memory_allocated" if run.device.type == "cuda" else "storages counted, last step"
+    traced_as = lambda key: f" (traced {mib(traced[key])})" if traced else ""  # memory.check's, on CUDA
     host = history[-1]["host_peak_bytes"]  # counted on a GPU with an offload; a CPU's host is the memory counted
     host = ("the same, on a CPU" if run.device.type == "cpu" else "nothing offloaded" if host is None else
-            f"{mib(host)} (predicted {mib(predicted['host'])})")
-    print(f"peak tensor memory per rank (max over ranks, {how}): {mib(peak)} (predicted {mib(predicted['peak'])}); "
-          f"host memory: {host}")
+            f"{mib(host)}{traced_as('host')}")
+    print(f"peak tensor memory per rank (max over ranks, {how}): {mib(peak)}{traced_as('device')}; host memory: {host}")
     bytes_sent(args, model, run, len(history))
     heads = [len(r) for r in ulysses.head_layout(args.n_head, args.n_kv_head, args.sp // args.ring)[0]] \
         if "a" in args.layer_pattern else []
