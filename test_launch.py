@@ -326,6 +326,7 @@ def test_torchrun_shows_a_flag_it_does_not_know_once():
 
 
 @pytest.mark.parametrize("argv, message", [
+    (["--dry-run"], r"--dry-run traces the run that --plan NxG describes: add --plan, e.g. --plan 8x80$"),
     (["--offload-optimizer", "--zero", "0"], r"--offload-optimizer moves ZeRO-3's shards and AdamW to CPU memory; "
                                              r"use --zero 3, not --zero 0$"),
     (["--vocab-size", "100"], r"--vocab-size 100 must be at least 256: the data's tokens are bytes, 0 to 255$"),
@@ -334,8 +335,8 @@ def test_torchrun_shows_a_flag_it_does_not_know_once():
     (["--loss-tiles", "-1"], r"--loss-tiles -1 must be at least 0$"),
 ])
 def test_the_flags_of_plans_and_real_shapes_refuse_bad_values(monkeypatch, argv, message):
-    """--offload-optimizer and the flags of a real model's shape: a value a run cannot use is one line, and nothing
-    starts."""
+    """--dry-run without --plan, --offload-optimizer and the flags of a real model's shape: a value a run cannot use
+    is one line, and nothing starts."""
     monkeypatch.setenv("WORLD_SIZE", "1")
     with pytest.raises(SystemExit, match=message):
         train.main(argv)

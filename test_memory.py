@@ -11,10 +11,11 @@ from unittest.mock import patch
 
 import pytest
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
 import train
 from conftest import HERE, bytes_line, run_ranks, train_rank
-from harness import launch, memory
+from harness import fakes, launch, memory
 
 
 @torch.library.custom_op("test_memory::plus_one", mutates_args=())
@@ -165,18 +166,39 @@ def test_readme_plans_fit_as_written(capsys, monkeypatch):
 
 def test_a_run_that_cannot_fit_the_gpu_is_refused(monkeypatch):
     """On CUDA a run's step is traced before it starts (before any process group) and weighed against its GPU's free
-    memory (torch.cuda.mem_get_info; here stand-ins of a GPU with 1 GiB free of 80): one line, with what it would
-    need. One that fits gets its trace back, for the opening line and the summary. On CPU nothing is traced."""
+    memory (torch.cuda.mem_get_info; here stand-ins of one GPU with 1 GiB free of 80): one line, with what it would
+    need. One that fits gets its trace back, for the opening line and the summary. Two ranks sharing the GPU over
+    gloo need twice one's memory. On CPU, or inside a caller's own process group, nothing is traced."""
+    free = [2**30]
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (2**30, 80 * 2**30))
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free[0], 80 * 2**30))
     args = launch.parse_args(["--device", "cuda", "--seq-len", "1000000", "--batch-size", "1"])
-    with pytest.raises(launch.Mistake, match=r"^this run would need [\d.]+ GiB per GPU for 1,000,000 tokens a "
-                                             r"rank \(its step traced on fake tensors\), against 1.0 GiB free on GPU "
-                                             r"0; --plan 1x1 finds the longest sequence that fits$"):
+    with pytest.raises(launch.Mistake, match=r"^this run would need [\d.]+ GiB per rank for 1,000,000 tokens a "
+                                             r"rank \(its step traced on fake tensors\), 1 rank\(s\) on GPU 0, "
+                                             r"against 1.0 GiB free there; --plan 1x1 finds the longest sequence "
+                                             r"that fits$"):
         memory.check(args, train.build)
     fits = memory.check(launch.parse_args(["--device", "cuda"]), train.build)
     assert 0 < fits["device"] < 2**30, fits
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    shared = ["--device", "cuda", "--backend", "gloo"]
+    free[0] = 3 * traced(shared, 2, cuda=True)["device"] // 2  # one rank's 1.5 times
+    with pytest.raises(launch.Mistake, match=r", 2 rank\(s\) on GPU 0, "):
+        memory.check(launch.parse_args(shared), train.build)
     assert memory.check(launch.parse_args(["--device", "cpu"]), train.build) is None
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    assert memory.check(launch.parse_args(["--device", "cuda"]), train.build) is None
+
+
+def test_a_trace_makes_token_data_real_and_masks_fake():
+    """The trace's tensors: integer factories (positions, token indices) hold values, so that what is computed from
+    them traces; a boolean mask stays fake, as an [S, S] one of a window would fill host memory at a planned S."""
+    with fakes.FakeTensors():
+        positions, mask = torch.arange(6), torch.ones(6, 6, dtype=torch.bool).tril()
+        assert not isinstance(positions, FakeTensor) and positions.sum().item() == 15
+        assert isinstance(mask, FakeTensor) and isinstance(torch.zeros(3), FakeTensor)
 
 
 M1B = ["--n-layer", "16", "--n-embd", "2048", "--n-head", "16", "--n-kv-head", "4", "--batch-size", "1",

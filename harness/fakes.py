@@ -30,7 +30,7 @@ aten = torch.ops.aten
 
 class FakeTensors(FakeTensorMode):
     """torch's FakeTensorMode with the token data real: an op none of whose inputs is fake runs for real, and so does
-    a factory of integers (arange, randint), never for the meta device (the host). Positions, token indices and what
+    a factory of integers (arange, randint; never a mask, which may be S x S), never for the meta device (the host). Positions, token indices and what
     the ring and the context chain compute from them hold values. A number read from a fake tensor (a loss) is 1."""
 
     def __init__(self):
@@ -39,7 +39,7 @@ class FakeTensors(FakeTensorMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs, dtype = kwargs or {}, (kwargs or {}).get("dtype")
         tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-        integers = func.overloadpacket in (aten.arange, aten.randint) if dtype is None else not dtype.is_floating_point
+        integers = func.overloadpacket in (aten.arange, aten.randint) if dtype is None else dtype in (torch.int32, torch.int64)
         if (tensors or integers) and not any(isinstance(t, FakeTensor) for t in tensors) and \
                 torch.device(kwargs.get("device") or "cpu").type != "meta":
             return func(*args, **kwargs)

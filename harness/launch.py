@@ -202,7 +202,8 @@ def parse_args(argv=None):
                    help="where the model computes: cuda where torch finds a GPU")
     p.add_argument("--plan", metavar="NxG", help="trace the training step on fake tensors as on N GPUs of G GiB (one "
                    "process, no GPU): print its peak memory per GPU and the longest sequence that fits, and exit")
-    p.add_argument("--dry-run", action="store_true", help="with --plan: the same as --plan alone, which traces the step")
+    p.add_argument("--dry-run", action="store_true", help="with --plan: does nothing more, as --plan alone traces the "
+                   "step")
     preset = p.parse_known_args(argv)[0].model  # a preset's shape stands in for the defaults of the model flags
     p.set_defaults(**PRESETS.get(preset, {}))
     return p.parse_args(argv)
@@ -275,6 +276,8 @@ def check_args(args, world_size):
         fail("--offload keeps the block inputs that --recompute saves in CPU memory; add --recompute")
     if args.offload_optimizer and args.zero != "3":
         fail(f"--offload-optimizer moves ZeRO-3's shards and AdamW to CPU memory; use --zero 3, not --zero {args.zero}")
+    if args.dry_run and not args.plan:
+        fail("--dry-run traces the run that --plan NxG describes: add --plan, e.g. --plan 8x80")
     if args.device == "cuda" and not torch.cuda.is_available() and args.plan is None:
         fail("--device cuda, but torch sees no CUDA device; choose --device cpu")
     if (args.resume or args.save_every or args.keep) and args.out_dir is None:
