@@ -24,6 +24,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakIdKeyDictionary
 
+import data
 import ulysses
 from harness.fakes import FakeTensors, as_on_cuda, peers, works_hold_tensors
 from harness.launch import check_args, device_mesh, fail
@@ -173,6 +174,10 @@ def trace(args, world_size, build, cuda):
     (model, sharding, optimizer). The step is a run's measured one, its last, which finds AdamW's state made; the fake
     process group moves nothing. cuda: as on a GPU (`as_on_cuda`), host memory the meta device, counted apart."""
     from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
+    try:  # --data's own documents, read as a run reads them (packed, their lengths set attention's memory)
+        documents = data.read_documents(args.data, args.pack, args.seq_len) if args.data else None
+    except ValueError as e:
+        fail(f"--data {args.data}: {e}")
     dist.init_process_group("fake", store=FakeStore(), rank=busiest_rank(args), world_size=world_size)
     try:
         mesh, host = device_mesh(args, world_size, "cpu"), torch.device("meta" if cuda else "cpu")
@@ -187,7 +192,7 @@ def trace(args, world_size, build, cuda):
             existing = PeakMemory(model, optimizer, zero, torch.device("cpu")).existing  # a list held no longer
             with StorageBytes(existing(), inside_operators=True, host=host.type if cuda else None) as counter:
                 mark, segments = in_segments(counter, model, optimizer, len(args.layer_pattern))
-                step(args.steps - 1)
+                step(args.steps - 1, documents)
                 mark("end")
     finally:
         dist.destroy_process_group()
