@@ -193,6 +193,17 @@ def test_a_run_that_cannot_fit_the_gpu_is_refused(monkeypatch):
     assert memory.check(launch.parse_args(["--device", "cuda"]), train.build) is None
 
 
+def test_a_traced_run_prints_its_trace(monkeypatch, capsys):
+    """What the fit check returns on CUDA (here a stand-in on CPU) is the run's traced peak: in its opening line, and
+    beside the measured peak in its summary."""
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setattr(memory, "check", lambda args, build: {"device": 3 * 2**20, "host": 5 * 2**20})
+    train.main(["--steps", "1"])
+    out = capsys.readouterr().out
+    assert "| traced peak 3.00 MiB per rank" in out, out
+    assert re.search(r"^peak tensor memory per rank \(.*\): [\d,.]+ MiB \(traced 3.00 MiB\); ", out, re.M), out
+
+
 def test_a_trace_makes_token_data_real_and_masks_fake():
     """The trace's tensors: integer factories (positions, token indices) hold values, so that what is computed from
     them traces; a boolean mask stays fake, as an [S, S] one of a window would fill host memory at a planned S."""

@@ -328,15 +328,22 @@ def started(args):
                               documents=documents, data_sha256=data_sha256)
 
 
+def local_gpu(args):
+    """(this rank's GPU, the ranks of its machine that share it): its LOCAL_RANK's own, or with --backend gloo, the
+    ranks past the GPUs sharing them in turn."""
+    local_rank, ranks = int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    gpus = torch.cuda.device_count()
+    return (local_rank % gpus, math.ceil(ranks / gpus)) if args.backend == "gloo" else (local_rank, 1)
+
+
 @contextmanager
 def process_groups(args, world_size):
     """The device, the process group (with a timeout, so a dead peer ends the run), the dp x ring x ulysses mesh,
     and the gloo control group over every rank, whose waits have no --timeout deadline (how long a rank takes to
     check its files depends on its storage; a dead peer is ended by torchrun). While the block runs, every rank
     beats (`pulse`). At its end the groups are destroyed, those this run made."""
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    if args.device == "cuda":  # with gloo, ranks past the GPUs share them
-        device = torch.device("cuda", local_rank % torch.cuda.device_count() if args.backend == "gloo" else local_rank)
+    if args.device == "cuda":
+        device = torch.device("cuda", local_gpu(args)[0])
         torch.cuda.set_device(device)
     else:  # the processes of one machine share its cores, unless OMP_NUM_THREADS says how many threads each takes
         if "OMP_NUM_THREADS" not in os.environ:

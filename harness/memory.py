@@ -27,7 +27,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 import data
 import ulysses
 from harness.fakes import FakeTensors, as_on_cuda, peers, works_hold_tensors
-from harness.launch import check_args, device_mesh, fail
+from harness.launch import check_args, device_mesh, fail, local_gpu
 
 
 def local_tokens(args):
@@ -288,11 +288,10 @@ def check(args, build):
     trace; None, not traced, on CPU (a CPU run starts at once) and inside a caller's own process group."""
     if args.device != "cuda" or dist.is_initialized():
         return None
-    world_size, local_rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("LOCAL_RANK", 0))
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
     check_args(args, world_size)
     traced = planned(args, world_size, build)
-    gpus, local = torch.cuda.device_count(), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-    gpu, sharing = (local_rank % gpus, math.ceil(local / gpus)) if args.backend == "gloo" else (local_rank, 1)
+    gpu, sharing = local_gpu(args)
     free = torch.cuda.mem_get_info(gpu)[0]
     if sharing * traced["device"] > free:
         fail(f"this run would need {gib(traced['device'])} per rank for {local_tokens(args):,} tokens a rank (its step "
