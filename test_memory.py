@@ -134,8 +134,8 @@ def test_a_plan_prints_the_traced_peak_and_the_longest_sequence(capsys):
     assert train.main(["--plan", "8x1", "--n-layer", "3", "--n-head", "8", "--seq-len", "65536", "--batch-size", "1",
                        "--recompute", "--offload", "--compile"])
     printed = capsys.readouterr().out
-    assert re.match(r"plan: 8 GPUs, sp 8, seq 65,536: fits: [\d.]+ GiB per GPU for 8,192 tokens a rank, [\d.]+ GiB "
-                    r"in CPU memory, against 1.0 GiB \(the step traced on fake tensors, rank 0, 3 layers, \d+ s; "
+    assert re.match(r"plan: 8 GPUs, sp 8, seq 65,536: fits: [\d.]+ GiB of 1.0 GiB per GPU for 8,192 tokens a rank, "
+                    r"and [\d.]+ GiB of CPU memory per GPU \(the step traced on fake tensors, rank 0, 3 layers, \d+ s; "
                     r"eager, as --compile is not traced\)\nlongest sequence that fits: [\d,]+ tokens \(within 1%; "
                     r"the search traced for \d+ s\)\n$", printed), printed
     with pytest.raises(SystemExit, match=r"^1$"):  # its model state alone is 7 MiB

@@ -253,9 +253,9 @@ def plan(args, build):
     fits, usp = here["device"] <= memory, f" (ulysses {args.sp // args.ring} x ring {args.ring})" * (args.ring > 1)
     eager = "; eager, as --compile is not traced" * args.compile
     print(f"plan: {world_size} GPU{'s' * (world_size > 1)}, sp {args.sp}{usp}, seq {args.seq_len:,}: "
-          f"{'fits' if fits else 'does NOT fit'}: {gib(here['device'])} per GPU for {local_tokens(args):,} tokens a "
-          f"rank, {gib(here['host'])} in CPU memory, against {gib(memory)} (the step traced on fake tensors, rank "
-          f"{here['rank']}, {here['how']}, {here['seconds']:.0f} s{eager})", flush=True)
+          f"{'fits' if fits else 'does NOT fit'}: {gib(here['device'])} of {gib(memory)} per GPU for "
+          f"{local_tokens(args):,} tokens a rank, and {gib(here['host'])} of CPU memory per GPU (the step traced on "
+          f"fake tensors, rank {here['rank']}, {here['how']}, {here['seconds']:.0f} s{eager})", flush=True)
     start, peaks = time.perf_counter(), {args.seq_len: here["device"]}
     n = longest(lambda S: peaks.get(S) or planned(args, world_size, build, seq_len=S)["device"], args.seq_len,
                 memory, TOLERANCE, args.sp)
