@@ -5,6 +5,7 @@ two shallow ones, against the full depth's; the longest sequence that fits; --pl
 run that cannot fit, refused before it starts; the H100's peaks held by the trace.
 """
 
+import json
 import os
 import re
 from unittest.mock import patch
@@ -128,12 +129,17 @@ def test_the_longest_sequence_that_fits():
     assert memory.longest(peak, 1000, 2**20, 0.01, least=2) == 0
 
 
-def test_a_plan_prints_the_traced_peak_and_the_longest_sequence(capsys):
-    """--plan NxG: the traced peak per GPU against G GiB and the longest sequence that fits, in one process, no GPU;
-    one that does not fit exits 1 after its lines; a --plan that is not NxG is one line."""
+def test_a_plan_prints_the_traced_peak_and_the_longest_sequence(capsys, tmp_path):
+    """--plan NxG: the traced peak per GPU against G GiB and the longest sequence that fits, in one process, no GPU,
+    and with --metrics the same as a JSON line; one that does not fit exits 1 after its lines; a --plan that is not
+    NxG is one line."""
+    metrics = tmp_path / "plan.jsonl"
     assert train.main(["--plan", "8x1", "--n-layer", "3", "--n-head", "8", "--seq-len", "65536", "--batch-size", "1",
-                       "--recompute", "--offload", "--compile"])
+                       "--recompute", "--offload", "--compile", "--metrics", str(metrics)])
     printed = capsys.readouterr().out
+    plan = json.loads(metrics.read_text())
+    assert f"fits: {plan['peak_bytes'] / 2**30:.1f} GiB of 1.0 GiB" in printed, (plan, printed)
+    assert f"longest sequence that fits: {plan['longest']:,} tokens" in printed, (plan, printed)
     assert re.match(r"plan: 8 GPUs, sp 8, seq 65,536: fits: [\d.]+ GiB of 1.0 GiB per GPU for 8,192 tokens a rank, "
                     r"and [\d.]+ GiB of CPU memory per GPU \(the step traced on fake tensors, rank 0, 3 layers, \d+ s; "
                     r"eager, as --compile is not traced\)\nlongest sequence that fits: [\d,]+ tokens \(within 1%; "

@@ -8,7 +8,7 @@ that teach a concept, so those read as their lesson. Run it from the repository'
     python -m harness.bench tiled      # what sequence tiling saves in the MLP and the loss (tiled.py)
     python -m harness.bench deltanet   # the gated delta rule, chunked against the token-by-token recurrence; the
                                        # layer under SP, Ulysses against context parallelism (deltanet.py)
-    python -m harness.bench memory     # train.py's measured peak memory per rank against its traced step
+    python -m harness.bench memory     # train.py's measured peak memory per rank, and what measuring costs
     python -m harness.bench plans      # ALST's table: Llama-3-8B's longest sequence on 1, 8 and 32 GPUs, by the
                                        # traced step (train.py --plan); the peaks at ALST's lengths
     python -m harness.bench compile    # train.py eager against --compile: the first step (which compiles), the rest
@@ -609,7 +609,7 @@ def deltanet_ways(args):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# python -m harness.bench memory: train.py's measured peak against its traced step (memory.planned), the busiest rank
+# python -m harness.bench memory: train.py's measured peak, the busiest rank's, and what measuring costs
 
 
 def train_run(P, argv):
@@ -627,9 +627,8 @@ def train_run(P, argv):
 
 
 def memory_(args):
-    import train  # its build, which the trace runs
-    print(f"peak tensor memory per rank, MiB, measured (the last of 2 steps, busiest rank) / traced; "
-          f"train.py --batch-size 1 --steps 2 {' '.join(args.flags)}")
+    print(f"peak tensor memory per rank, MiB, measured (the last of 2 steps, busiest rank; test_memory.py holds the "
+          f"trace to it); train.py --batch-size 1 --steps 2 {' '.join(args.flags)}")
     rows = [(S, extra) for S in args.seq_lens for extra in ([], ["--tiles", "4"], ["--recompute"],
                                                              ["--tiles", "4", "--recompute"])]
     print(f"{'seq len':>8} {'flags':<24}" + "".join(f"{f'sp {P}':>16}" for P in args.sp), flush=True)
@@ -639,10 +638,7 @@ def memory_(args):
             argv = ["--seq-len", str(S), *extra, *args.flags]
             with measuring(f"{' '.join([f'seq len {S:,}', *extra])}: train.py on sp {P}"):
                 measured = train_run(P, argv + ["--steps", "2", "--batch-size", "1"])[-1]["peak_bytes"]
-            flags = launch.parse_args(argv + ["--batch-size", "1"])
-            launch.check_args(flags, P)
-            traced = memory.planned(flags, P, train.build, cuda=False)["device"]
-            cells.append(f"{measured / 2**20:.1f} / {traced / 2**20:.1f}")
+            cells.append(f"{measured / 2**20:.1f}")
         print(f"{S:>8,} {' '.join(extra):<24}" + "".join(f"{cell:>16}" for cell in cells), flush=True)
     print("\nwhat measuring costs: train.py --n-embd 32 --steps 6 --n-layer L, one process; seconds of the measured "
           "(last) step against the median of steps 2 to 5")
@@ -671,32 +667,33 @@ def alst_flags(gpus, gib, S):
             "--loss-tiles", str(math.ceil(local / 2048))]
 
 
-def traced(gpus, gib, S):
-    """The step of alst_flags traced as train.py --plan traces it (memory.planned): {"device", "host", ...}, bytes."""
-    import train  # its build: the model, sharding and optimizer that the trace runs
-    args = launch.parse_args(alst_flags(gpus, gib, S))
-    launch.check_args(args, gpus)
-    return memory.planned(args, gpus, train.build)
+def planned(argv):
+    """train.py --plan with argv, in a process of its own, as a user runs it: its --metrics line, {"peak_bytes",
+    "host_peak_bytes", "longest"} (bytes per GPU; tokens)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        metrics = os.path.join(tmp, "plan.jsonl")
+        done = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), *argv, "--metrics", metrics],
+                              capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        if not os.path.exists(metrics):
+            raise SystemExit(f"harness.bench: train.py {' '.join(argv)} planned nothing:\n{done.stderr[-2000:]}")
+        with open(metrics) as f:
+            return json.loads(f.readline())
 
 
 def plans(args):
     gib, settings = args.gib, " ".join(alst_flags(1, args.gib, 1)[6:-4])
     print(f"Llama-3-8B on GPUs of {gib} GiB with ALST's settings (train.py --model llama3-8b {settings}, the tiles as "
-          f"S/4,096 and S/2,048 tokens a rank): the longest sequence by the traced step (to within "
-          f"{args.tolerance:.0%}), and at ALST's length the traced GPU and CPU memory per GPU, GiB", flush=True)
+          f"S/4,096 and S/2,048 tokens a rank at ALST's S): the longest sequence by train.py --plan's search on traced "
+          f"steps (within 1%), and at ALST's length the traced GPU and CPU memory per GPU, GiB", flush=True)
     rows = []
     for gpus in args.gpus:
-        peaks, start = {}, time.perf_counter()
-
-        def peak(S):
-            peaks[S] = peaks.get(S) or traced(gpus, gib, S)
-            return peaks[S]["device"]
-        with measuring(f"{gpus} GPUs: the longest sequence, by traces"):
-            longest = memory.longest(peak, ALST[gpus], gib * 2**30, args.tolerance, gpus)
-        seconds, at = time.perf_counter() - start, peaks[ALST[gpus]]
-        rows.append((gpus, longest))
-        print(f"{gpus:>3} GPUs: ALST {ALST[gpus]:>10,} | traced {longest:>10,} ({len(peaks)} traces, {seconds:.0f} "
-              f"s) | at {ALST[gpus]:,}: {at['device'] / 2**30:.1f} GPU, {at['host'] / 2**30:.1f} CPU", flush=True)
+        start = time.perf_counter()
+        with measuring(f"{gpus} GPUs: train.py --plan, its trace and its search"):
+            plan = planned(alst_flags(gpus, gib, ALST[gpus]))
+        rows.append((gpus, plan["longest"]))
+        print(f"{gpus:>3} GPUs: ALST {ALST[gpus]:>10,} | traced {plan['longest']:>10,} ({time.perf_counter() - start:.0f} "
+              f"s) | at {ALST[gpus]:,}: {plan['peak_bytes'] / 2**30:.1f} GPU, {plan['host_peak_bytes'] / 2**30:.1f} CPU",
+              flush=True)
     if args.figure:
         draw_plans(rows, gib, args.figure)
 
@@ -1059,7 +1056,7 @@ def main(argv=None):
     p.add_argument("--reps", type=int, default=3, help="timed repetitions")
     p.add_argument("--seq-lens", type=int, nargs="+", default=[1024, 4096, 16384], help="the layer under SP: "
                    "sequence lengths, one row each (P = 2 and 4)")
-    p = command("memory", "train.py's measured peak memory against its traced step")
+    p = command("memory", "train.py's measured peak memory per rank, and what measuring costs")
     p.add_argument("--seq-lens", type=int, nargs="+", default=[1024, 4096], help="sequence lengths, one row each")
     p.add_argument("--sp", type=int, nargs="+", default=[1, 2, 4], help="SP sizes, one column each")
     p.add_argument("--flags", nargs=argparse.REMAINDER, default=[], help="more train.py flags, last on the line, "
@@ -1070,7 +1067,6 @@ def main(argv=None):
     p.add_argument("--gpus", type=int, nargs="+", default=[1, 8, 32], choices=sorted(ALST), help="GPU counts, a row "
                    "each")
     p.add_argument("--gib", type=int, default=80, help="memory of a GPU")
-    p.add_argument("--tolerance", type=float, default=0.01, help="the search stops this close to the longest")
     p.add_argument("--figure", default="figures/plans.png", help="the picture's file (matplotlib; none: '')")
     p = command("compile", "train.py eager against --compile: compile time and step time")
     p.add_argument("--sp", type=int, nargs="+", default=[2, 4], help="ranks (all sequence-parallel), one row pair each")

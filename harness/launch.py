@@ -197,7 +197,7 @@ def parse_args(argv=None):
     p.add_argument("--backend", choices=["nccl", "gloo"], default="nccl", help="what carries the collectives of CUDA "
                    "tensors: nccl, or gloo through host memory, which lets several ranks share one GPU")
     p.add_argument("--metrics", help="write one JSON line per optimizer step to this file (its folder is made if "
-                   "missing)")
+                   "missing); with --plan, one line: the traced peaks and the longest sequence that fits")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu",
                    help="where the model computes: cuda where torch finds a GPU")
     p.add_argument("--plan", metavar="NxG", help="trace the training step on fake tensors as on N GPUs of G GiB (one "

@@ -8,6 +8,7 @@ in every configuration measured (the tests hold it within 1%).
 """
 
 import argparse
+import json
 import math
 import os
 import re
@@ -261,6 +262,9 @@ def plan(args, build):
                 memory, TOLERANCE, args.sp)
     print(f"longest sequence that fits: {f'{n:,} tokens' if n else 'none'} (within {TOLERANCE:.0%}; the search traced "
           f"for {time.perf_counter() - start:.0f} s)")
+    if args.metrics:  # the plan as one JSON line, for a script to read (python -m harness.bench plans)
+        with open(args.metrics, "a") as f:
+            f.write(json.dumps({"peak_bytes": here["device"], "host_peak_bytes": here["host"], "longest": n}) + "\n")
     if not fits:
         raise SystemExit(1)
     return fits
