@@ -133,7 +133,7 @@ def test_a_plan_prints_the_traced_peak_and_the_longest_sequence(capsys, tmp_path
     """--plan NxG: the traced peak per GPU against G GiB and the longest sequence that fits, in one process, no GPU,
     and with --metrics the same as a JSON line; one that does not fit exits 1 after its lines; a --plan that is not
     NxG is one line."""
-    metrics = tmp_path / "plan.jsonl"
+    metrics = tmp_path / "new folder" / "plan.jsonl"
     assert train.main(["--plan", "8x1", "--n-layer", "3", "--n-head", "8", "--seq-len", "65536", "--batch-size", "1",
                        "--recompute", "--offload", "--compile", "--metrics", str(metrics)])
     printed = capsys.readouterr().out

@@ -263,6 +263,7 @@ def plan(args, build):
     print(f"longest sequence that fits: {f'{n:,} tokens' if n else 'none'} (within {TOLERANCE:.0%}; the search traced "
           f"for {time.perf_counter() - start:.0f} s)")
     if args.metrics:  # the plan as one JSON line, for a script to read (python -m harness.bench plans)
+        os.makedirs(os.path.dirname(os.path.abspath(args.metrics)), exist_ok=True)
         with open(args.metrics, "a") as f:
             f.write(json.dumps({"peak_bytes": here["device"], "host_peak_bytes": here["host"], "longest": n}) + "\n")
     if not fits:
