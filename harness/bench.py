@@ -614,7 +614,7 @@ def deltanet_ways(args):
 
 def train_run(P, argv):
     """train.py on P processes (torchrun on this machine), its output kept back; its --metrics records, one dict
-    a step (the last with the measured step's peak_bytes, the largest over the ranks)."""
+    a step (the last with the measured step's peak_bytes, the largest over the ranks), or with --plan the plan's."""
     with tempfile.TemporaryDirectory() as tmp:
         metrics = os.path.join(tmp, "metrics.jsonl")
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={P}",
@@ -667,19 +667,6 @@ def alst_flags(gpus, gib, S):
             "--loss-tiles", str(math.ceil(local / 2048))]
 
 
-def planned(argv):
-    """train.py --plan with argv, in a process of its own, as a user runs it: its --metrics line, {"peak_bytes",
-    "host_peak_bytes", "longest"} (bytes per GPU; tokens)."""
-    with tempfile.TemporaryDirectory() as tmp:
-        metrics = os.path.join(tmp, "plan.jsonl")
-        done = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), *argv, "--metrics", metrics],
-                              capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-        if not os.path.exists(metrics):
-            raise SystemExit(f"harness.bench: train.py {' '.join(argv)} planned nothing:\n{done.stderr[-2000:]}")
-        with open(metrics) as f:
-            return json.loads(f.readline())
-
-
 def plans(args):
     gib, settings = args.gib, " ".join(alst_flags(1, args.gib, 1)[6:-4])
     print(f"Llama-3-8B on GPUs of {gib} GiB with ALST's settings (train.py --model llama3-8b {settings}, the tiles as "
@@ -689,7 +676,7 @@ def plans(args):
     for gpus in args.gpus:
         start = time.perf_counter()
         with measuring(f"{gpus} GPUs: train.py --plan, its trace and its search"):
-            plan = planned(alst_flags(gpus, gib, ALST[gpus]))
+            plan = train_run(1, alst_flags(gpus, gib, ALST[gpus]))[0]  # --plan --metrics: one line, the plan's
         rows.append((gpus, plan["longest"]))
         print(f"{gpus:>3} GPUs: ALST {ALST[gpus]:>10,} | traced {plan['longest']:>10,} ({time.perf_counter() - start:.0f} "
               f"s) | at {ALST[gpus]:,}: {plan['peak_bytes'] / 2**30:.1f} GPU, {plan['host_peak_bytes'] / 2**30:.1f} CPU",
