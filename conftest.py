@@ -72,9 +72,11 @@ def _worker(rank, world_size, port, fn, args, result_dir):
 def pytest_collection_finish(session):
     """Rank processes are forked from a server process that has imported this file and the test files (and so
     torch and the files they test) but computed nothing, so they start in a fraction of a second, and never
-    inherit a thread pool that a fork would leave broken. fn travels to a rank by its name, e.g.
-    test_gpt._gpt_rank, and is found there among the modules already imported."""
-    mp.set_forkserver_preload(["conftest"] + sorted({item.module.__name__ for item in session.items}))
+    inherit a thread pool that a fork would leave broken. It imports what torch would import in every rank on
+    first use, too: dynamo (AdamW's constructor imports it, a second) and inductor (torch.compile's). fn travels to
+    a rank by its name, e.g. test_gpt._gpt_rank, and is found there among the modules already imported."""
+    tested = sorted({item.module.__name__ for item in session.items})
+    mp.set_forkserver_preload(["conftest", "torch._dynamo", "torch._inductor.compile_fx", *tested])
 
 
 def run_ranks(world_size, fn, *args):
