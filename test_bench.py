@@ -4,6 +4,8 @@ ulysses_attention computes the same attention and sends the bytes of its formula
 `python -m harness.bench balance` reports: per-document balance of a packed mix against zigzag's.
 """
 
+import argparse
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -53,6 +55,30 @@ def test_benchmark_baselines_match_one_device(world_size):
         # gradients
         copies = {"(c)": (1 + (B > 1)) * 2 * (2 * Hq + 2 * Hkv) * head, "(d)": (B - 1) * 4 * Hkv * head * P}[name]
         assert [r[i][2] for r in per_rank] == [copies] * P, f"{name} B={B}"
+
+
+def _versus_rank(rank, world_size, path):
+    args = argparse.Namespace(kernel="sdpa", versus=path, batch_size=1, heads=4, kv_heads=4, head_dim=8,
+                              dtype="float32")
+    variants, tensors = bench._variants(dist.group.WORLD, args), bench._attention_inputs(rank, world_size, 64, args)
+    return [(bench._forward_backward(variants[name], tensors), bench._moved(variants[name], tensors))
+            for name in ("(b) ulysses_attention", bench.VERSUS)]
+
+
+def test_versus_times_another_copy_of_ulysses_beside_this_one(tmp_path):
+    """python -m harness.bench attention --versus FILE loads another copy of ulysses.py beside this one in each rank,
+    its operators renamed (torch would let the copy's replace this one's). Given this file with its byte count
+    doubled, its variant computes the same output and gradients, bit for bit, copies the same bytes, and counts
+    twice the bytes sent; this one's count stays its own."""
+    path, count = tmp_path / "ulysses.py", 'bytes=counts["bytes"] + sent_bytes)'
+    source = open(bench.ulysses.__file__).read()
+    assert source.count(count) == 1
+    path.write_text(source.replace(count, 'bytes=counts["bytes"] + 2 * sent_bytes)'))
+    for (this, these_bytes), (other, other_bytes) in run_ranks(2, _versus_rank, str(path)):
+        assert all(torch.equal(a, b) for a, b in zip(this, other))
+        P, S, H, D = 2, 64, 4, 8  # q, k, v and out: (P-1)/P of a rank's S/P tokens each way, float32
+        assert these_bytes[:2] == (4 * S // P * H * D * 4 * (P - 1) // P,) * 2, these_bytes
+        assert other_bytes == (2 * these_bytes[0], 2 * these_bytes[1], *these_bytes[2:]), (these_bytes, other_bytes)
 
 
 def test_copied_bytes_counts_copies_and_nothing_else():

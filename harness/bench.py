@@ -4,7 +4,8 @@ that teach a concept, so those read as their lesson. Run it from the repository'
 
     python -m harness.bench attention  # one attention layer: ulysses_attention against the kernel alone, three
                                        # all-to-alls (DeepSpeed's DistributedAttention) and all-gathered k, v; weak
-                                       # scaling; --check-cost: what ulysses_attention's input check costs a call
+                                       # scaling; --check-cost: what ulysses_attention's input check costs a call;
+                                       # --versus FILE: beside another copy of ulysses.py, in the same processes
     python -m harness.bench tiled      # what sequence tiling saves in the MLP and the loss (tiled.py)
     python -m harness.bench deltanet   # the gated delta rule, chunked against the token-by-token recurrence; the
                                        # layer under SP, Ulysses against context parallelism (deltanet.py)
@@ -37,6 +38,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import types
 from functools import partial
 
 import torch
@@ -252,7 +254,23 @@ def _variants(group, args):
         "(d) all-gather k, v": (lambda t: gathered_kv(t["q"], t["k"], t["v"], group), qkv, qkv)}
     if args.kernel == "copy":  # (d) has its own kernel
         del variants["(d) all-gather k, v"]
+    if args.versus:  # (b) as another copy of ulysses.py runs it, with the same kernel
+        other = _other_ulysses(args.versus)
+        variants[VERSUS] = (lambda t: other.ulysses_attention(t["q"], t["k"], t["v"], group, kernel), qkv, qkv)
     return variants
+
+
+VERSUS = "(b) --versus"
+
+
+def _other_ulysses(path):
+    """--versus FILE: another copy of ulysses.py (another checkout's), loaded beside this one in the same process,
+    its operators renamed (two files cannot register one name). Its bytes sent are counted with this one's."""
+    with open(path) as f:
+        source = f.read().replace('"ulysses::', '"ulysses_versus::')
+    module = sys.modules["ulysses_versus"] = types.ModuleType("ulysses_versus")
+    exec(compile(source, path, "exec"), module.__dict__)
+    return module
 
 
 def _forward(variant, tensors):
@@ -326,12 +344,18 @@ class CopiedBytes(TorchDispatchMode):
 
 
 def _sent():
-    return sent_stats["bytes"] + sum(c["bytes"] for c in ulysses.all_to_all_stats.values())
+    return sent_stats["bytes"] + sum(c["bytes"] for m in _exchanges() for c in m.all_to_all_stats.values())
+
+
+def _exchanges():
+    """The copies of ulysses.py whose all-to-alls count: this one, and --versus's."""
+    return [ulysses] + [sys.modules[name] for name in ["ulysses_versus"] if name in sys.modules]
 
 
 def _moved(variant, tensors):
     """(bytes sent, bytes copied outside the collective), forward and backward: four numbers of this rank."""
-    ulysses.reset_all_to_all_stats()
+    for module in _exchanges():
+        module.reset_all_to_all_stats()
     sent_stats["bytes"] = 0
     with CopiedBytes() as forward:
         out, leaves = _forward(variant, tensors)
@@ -422,6 +446,10 @@ def attention(args):
             print(f"{P:>2} {S:>6}  {name:<22} {statistics.median(t[1:]) * 1e3:8.1f} {overhead[name] * 1e3:12.1f} "
                   f"{f'{low * 1e3:.0f} to {high * 1e3:.0f}':>12} {versus:>6} {sum(counts[name][:2]):>16,} "
                   f"{_attention_bytes(name, P, S, args):>13,}", flush=True)
+        if VERSUS in times:
+            paired = [b / v for b, v in zip(times["(b) ulysses_attention"][1:], times[VERSUS][1:])]
+            print(f"{P:>2} {S:>6}  (b) over {args.versus}'s, the median of the ratios paired by repetition: "
+                  f"{statistics.median(paired):.3f}x", flush=True)
         q_mib = B * S // P * H * D * getattr(torch, args.dtype).itemsize / 2**20
         print(f"what each variant moves, rank 0: bytes sent, bytes copied outside the collective (copy ops counted "
               f"by a dispatch mode), copies per byte sent, and the peak tensor memory of forward + backward (every "
@@ -1029,6 +1057,8 @@ def main(argv=None):
                    "that only copies q, to time the exchange alone ((d) left out)")
     p.add_argument("--plot", metavar="FILE", help="also draw the weak-scaling bytes and each variant's copies and "
                    "peak memory into FILE (a .png; needs matplotlib)")
+    p.add_argument("--versus", metavar="FILE", help="also time (b) as another copy of ulysses.py runs it (another "
+                   "checkout's), interleaved with the rest in the same processes")
     p.add_argument("--check-cost", action="store_true", help="instead: ulysses_attention with its input check "
                    "(one all-gather a call) against without it")
     p = command("tiled", "memory of the MLP and the loss, tiled and not")
