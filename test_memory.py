@@ -5,6 +5,8 @@ two shallow ones, against the full depth's; the longest sequence that fits; --pl
 run that cannot fit, refused before it starts; the H100's peaks held by the trace.
 """
 
+import contextlib
+import io
 import json
 import os
 import re
@@ -12,6 +14,7 @@ from unittest.mock import patch
 
 import pytest
 import torch
+import torch.multiprocessing as mp
 from torch._subclasses.fake_tensor import FakeTensor
 
 import train
@@ -154,21 +157,31 @@ def test_a_plan_prints_the_traced_peak_and_the_longest_sequence(capsys, tmp_path
             train.main(["--plan", plan])
 
 
-def test_readme_plans_fit_as_written(capsys, monkeypatch):
+def _readme_plan(command):
+    """(whether it fits, the plan line) of `python train.py COMMAND`, in a process of its own, the search for the
+    longest sequence left out (minutes at README's lengths; test_the_longest_sequence_that_fits holds it)."""
+    memory.longest = lambda *args: 0
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        try:
+            fits = train.main(command.split())
+        except SystemExit:  # a plan that does not fit
+            fits = False
+    return fits, printed.getvalue().splitlines()[0]
+
+
+def test_readme_plans_fit_as_written():
     """Every `python train.py --plan ...` line of README runs as written and fits (README offers each as a way to
-    train its --seq-len), and its plan line is the one README quotes, the seconds apart. The search for the longest
-    sequence is left out here (minutes at these lengths; test_the_longest_sequence_that_fits holds it)."""
+    train its --seq-len), and its plan line is the one README quotes, the seconds apart. The plans are traced side
+    by side, one process each."""
     with open(os.path.join(HERE, "README.md")) as f:
         readme = f.read()
     commands = re.findall(r"^python train\.py (--plan .*)$", readme, re.M)
-    monkeypatch.setattr(memory, "longest", lambda *args: 0)
     assert len(commands) == 2
-    for command in commands:
-        capsys.readouterr()
-        assert train.main(command.split()), command  # a plan that does not fit ends in SystemExit(1)
-        line = capsys.readouterr().out.splitlines()[0]
-        seconds = lambda text: re.sub(r"\d+ s\b", "N s", text)
-        assert re.match(r"plan: .*: fits: ", line) and seconds(line) in seconds(readme), line
+    with mp.get_context("forkserver").Pool(len(commands)) as processes:
+        for command, (fits, line) in zip(commands, processes.map(_readme_plan, commands)):
+            seconds = lambda text: re.sub(r"\d+ s\b", "N s", text)
+            assert fits and re.match(r"plan: .*: fits: ", line) and seconds(line) in seconds(readme), (command, line)
 
 
 def test_a_run_that_cannot_fit_the_gpu_is_refused(monkeypatch):
