@@ -49,6 +49,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 # torch 2.13 names the two collectives of ZeRO *_single and deprecates the old names; older torch (2.11) has only
 # the old ones. NCCL implements both; gloo too, its reduce-scatter being an all-reduce of which each rank keeps
@@ -226,7 +227,6 @@ class ZeRO3:
 def fsdp2_shard(model, units, group, compute_dtype=None):
     """The same sharding done by PyTorch's FSDP2, for comparison: one FSDP unit per unit, then the root, with
     gradients summed over the ranks like ZeRO3's. Give the optimizer model.parameters() (DTensor shards)."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # here: its import takes half a second
     mesh = DeviceMesh.from_group(group or dist.group.WORLD, next(model.parameters()).device.type)
     # compute_dtype for the gathered parameters alone, like ZeRO3: the inputs of a unit (the float32 residual
     # stream, RoPE's tables) keep their dtype

@@ -12,7 +12,6 @@ import json
 import math
 import os
 import re
-import sys
 import time
 import weakref
 from contextlib import contextmanager, nullcontext
@@ -22,11 +21,13 @@ import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
 from torch._library.custom_ops import _maybe_get_opdef
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakIdKeyDictionary
 
 import data
 import ulysses
+from harness.fakes import FakeTensors, as_on_cuda, peers, works_hold_tensors
 from harness.launch import check_args, device_mesh, fail, local_gpu
 
 
@@ -76,13 +77,6 @@ class PeakMemory:
         self.host_bytes = host if self.host else None
 
 
-def _dtensor():
-    """FSDP2's tensor class, or an empty tuple: no tensor is a DTensor unless FSDP2 was imported, which takes half a
-    second (only --zero fsdp2 imports it)."""
-    module = sys.modules.get("torch.distributed.tensor")
-    return module.DTensor if module else ()
-
-
 class StorageBytes(TorchDispatchMode):
     """Counts the bytes of tensor storage alive while it is entered, and keeps the largest count (`.peak`). Every
     op's outputs pass through it: a storage it has not seen adds its bytes, and gives them back when it is freed
@@ -105,7 +99,7 @@ class StorageBytes(TorchDispatchMode):
     host_peak = property(lambda self: self.peaks["host"])
 
     def _see(self, t):
-        t = t.to_local() if isinstance(t, _dtensor()) else t
+        t = t.to_local() if isinstance(t, DTensor) else t
         storage = t.untyped_storage()
         if storage not in self.sizes:  # (a fake tensor's storage is on the meta device, whatever the tensor's)
             self.sizes[storage] = size = [0, "host" if t.device.type == self.host else "device"]
@@ -119,7 +113,7 @@ class StorageBytes(TorchDispatchMode):
         self.peaks[size[1]] = max(self.peaks[size[1]], self.alive[size[1]])
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if _dtensor() in types:
+        if DTensor in types:
             return NotImplemented  # DTensor runs first, and its local ops come through here
         custom = _maybe_get_opdef(func) if self.inside_operators else None
         if custom is not None:  # an operator written in Python: its body runs under the count
@@ -188,7 +182,6 @@ def trace(args, world_size, build, cuda):
     dist.init_process_group("fake", store=FakeStore(), rank=busiest_rank(args), world_size=world_size)
     try:
         mesh, host = device_mesh(args, world_size, "cpu"), torch.device("meta" if cuda else "cpu")
-        from harness.fakes import FakeTensors, as_on_cuda, peers, works_hold_tensors  # a trace's world, only here
         with FakeTensors(), peers(mesh) if args.pack else nullcontext(), works_hold_tensors(), \
                 as_on_cuda() if cuda else nullcontext():
             model, zero, optimizer, _, step = build(args, world_size, mesh, torch.device("cpu"), host)
