@@ -261,15 +261,17 @@ def _variants(group, args):
 
 
 VERSUS = "(b) --versus"
+EXCHANGES = [ulysses]  # the copies of ulysses.py whose all-to-alls count: this one, and --versus's
 
 
 def _other_ulysses(path):
     """--versus FILE: another copy of ulysses.py (another checkout's), loaded beside this one in the same process,
-    its operators renamed (two files cannot register one name). Its bytes sent are counted with this one's."""
+    its operators renamed (else torch lets the copy's replace this one's). Its bytes sent count with this one's."""
     with open(path) as f:
         source = f.read().replace('"ulysses::', '"ulysses_versus::')
     module = sys.modules["ulysses_versus"] = types.ModuleType("ulysses_versus")
     exec(compile(source, path, "exec"), module.__dict__)
+    EXCHANGES.append(module)
     return module
 
 
@@ -344,17 +346,12 @@ class CopiedBytes(TorchDispatchMode):
 
 
 def _sent():
-    return sent_stats["bytes"] + sum(c["bytes"] for m in _exchanges() for c in m.all_to_all_stats.values())
-
-
-def _exchanges():
-    """The copies of ulysses.py whose all-to-alls count: this one, and --versus's."""
-    return [ulysses] + [sys.modules[name] for name in ["ulysses_versus"] if name in sys.modules]
+    return sent_stats["bytes"] + sum(c["bytes"] for m in EXCHANGES for c in m.all_to_all_stats.values())
 
 
 def _moved(variant, tensors):
     """(bytes sent, bytes copied outside the collective), forward and backward: four numbers of this rank."""
-    for module in _exchanges():
+    for module in EXCHANGES:
         module.reset_all_to_all_stats()
     sent_stats["bytes"] = 0
     with CopiedBytes() as forward:
