@@ -69,8 +69,10 @@ def test_shard_for_sp_and_the_all_to_all(world_size, dtype):
                               torch.arange(13 + pad).expand(2, -1), torch.arange(13 + pad).expand(2, -1))):
         assert torch.equal(torch.cat([r[0][i] for r in results], dim=1), want)
     assert all(r[1] == (labels != -100).sum() + (labels[:1] != -100).sum() for r in results)
-    for rank, (_, _, heads, back, grad, inverse_of_grad, mine, mine_back, five_grad, head_major) in enumerate(results):
-        assert head_major and heads.dtype == dtype and torch.equal(heads, sp_slice(full, rank, world_size, dim=2))  # my heads
+    for rank, result in enumerate(results):
+        _, _, heads, back, grad, inverse_of_grad, mine, mine_back, five_grad, head_major = result
+        assert head_major and heads.dtype == dtype  # [B, H/P, S, D] in memory
+        assert torch.equal(heads, sp_slice(full, rank, world_size, dim=2))  # my heads
         assert torch.equal(back, sp_slice(full, rank, world_size))
         assert torch.equal(grad, inverse_of_grad)
         query = ulysses.head_layout(5, 1, world_size)[0][rank]

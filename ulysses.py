@@ -51,8 +51,9 @@ from torch.distributed.distributed_c10d import _resolve_process_group  # a group
 #
 # heads_to_seq swaps the two dimensions' roles. Exact: rank i's piece lands at place i, and rank i holds the i-th
 # stretch of the sequence. A piece's gradient belongs to the rank that sent it: each exchange's backward is the other.
-# Each byte is copied twice: into a flat send buffer, and from the receive buffer to its place. My own piece (x[t0,
-# h0] on rank 0) skips both buffers. seq_to_heads joins head-major, [B, H_r, S, D] in memory: SDPA's own layout.
+# Each byte sent is copied twice: into a flat send buffer, and from the receive buffer to its place. My own piece
+# (x[t0, h0] on rank 0) skips the buffers: one copy, straight to its place. seq_to_heads joins head-major, [B, H_r,
+# S, D] in memory: SDPA's own layout.
 
 
 def seq_to_heads(x, group, heads=None):
@@ -82,36 +83,38 @@ def _exchange(x: torch.Tensor, head_bounds: list[int], to_heads: bool, group_nam
         outgoing = [x[:, :, h.start:h.stop].permute(2, 0, 1, 3) for h in heads]
     else:  # x: (B, S, H_r, D). Rank j gets its tokens of my heads: (B, S/P, H_r, D)
         outgoing = x.unflatten(1, (P, -1)).unbind(1)
-    send = torch.cat([o for j, o in enumerate(outgoing) if j != rank]).flatten()  # the others', in rank order
+    send = torch.cat([o for j, o in enumerate(outgoing) if j != rank]).flatten()  # flat: the others', in rank order
     sizes = [0 if j == rank else o.numel() for j, o in enumerate(outgoing)]  # my own piece never leaves
-    sizes_in = [0 if i == rank else B * T * D * len(heads[rank]) if to_heads else B * T // P * D * len(heads[i])
-                for i in range(P)]  # what rank i sends me: its tokens of my heads, or my tokens of its heads
+    sizes_in = [0 if i == rank else B * T * len(heads[rank]) * D if to_heads else B * T // P * len(h) * D
+                for i, h in enumerate(heads)]  # what rank i sends me: its tokens of my heads, or my tokens of its heads
     received = x.new_empty(sum(sizes_in))  # flat, rank by rank
     with _gloo_lets_go(received, send):
         dist.all_to_all_single(received, send, sizes_in, sizes, group=_resolve_process_group(group_name))
     _count(direction, send.nbytes)
     del send  # freed before the output is made
-    out = _joined(x, head_bounds, to_heads, group_name, rank, direction)  # (B, S, H_r, D) or (B, S/P, H, D)
+    out = _joined(x, head_bounds, to_heads, group_name, rank, direction)  # made as the fake makes it, strides too
+    summed = not to_heads and any(a.stop != b.start for a, b in zip(heads, heads[1:]))
+    if summed:  # a kv head that several ranks held comes back as the sum of theirs
+        out.zero_()
     if to_heads:  # rank i's tokens of my heads go to place i: (H_r, B, S/P, D)
         places = out.permute(2, 0, 1, 3).unflatten(2, (P, -1)).unbind(2)
     else:  # my tokens of rank i's heads: (B, S/P, H_i, D)
         places = [out[:, :, h.start:h.stop] for h in heads]
-    summed = not to_heads and sum(map(len, heads)) > heads[-1].stop  # a kv head several ranks held: their sum
     for i, (place, piece) in enumerate(zip(places, received.split(sizes_in))):
-        (place.add_ if summed else place.copy_)(outgoing[rank] if i == rank else piece.view(place.shape))
+        piece = outgoing[rank] if i == rank else piece.view(place.shape)  # flat -> place's shape
+        (place.add_ if summed else place.copy_)(piece)
     return out
 
 
 @_exchange.register_fake
 def _joined(x, head_bounds, to_heads, group_name, rank, direction):
-    """The exchange's output, empty (zeros where it sums), for `rank`: [B, S, H_r, D] stored head-major, or [B, S/P,
-    H, D]. torch.compile sees this too (inductor caches code by the arguments, so each rank keeps its own shapes)."""
+    """The exchange's output, empty, for `rank`: [B, S, H_r, D] stored head-major, or [B, S/P, H, D]. torch.compile
+    sees this too (inductor caches code by the arguments, so each rank keeps its own shapes)."""
     heads = [range(a, b) for a, b in zip(head_bounds[::2], head_bounds[1::2])]
     P, (B, T, _, D) = len(heads), x.shape  # T: the tokens x holds
     if to_heads:  # (B, S, H_r, D), laid out as (B, H_r, S, D)
         return torch.empty_permuted((B, T * P, len(heads[rank]), D), (0, 2, 1, 3), dtype=x.dtype, device=x.device)
-    summed = sum(map(len, heads)) > heads[-1].stop
-    return (x.new_zeros if summed else x.new_empty)(B, T // P, heads[-1].stop, D)  # (B, S/P, H, D)
+    return x.new_empty(B, T // P, heads[-1].stop, D)  # (B, S/P, H, D)
 
 
 def _keep_exchange(ctx, inputs, output):
