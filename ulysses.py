@@ -51,9 +51,6 @@ from torch.distributed.distributed_c10d import _resolve_process_group  # a group
 #
 # heads_to_seq swaps the two dimensions' roles. Exact: rank i's piece lands at place i, and rank i holds the i-th
 # stretch of the sequence. A piece's gradient belongs to the rank that sent it: each exchange's backward is the other.
-# Each byte sent is copied twice: into a flat send buffer, and from the receive buffer to its place. My own piece
-# (x[t0, h0] on rank 0) skips the buffers: one copy, straight to its place. seq_to_heads joins head-major, [B, H_r,
-# S, D] in memory: SDPA's own layout.
 
 
 def seq_to_heads(x, group, heads=None):
@@ -77,44 +74,46 @@ def _exchange(x: torch.Tensor, head_bounds: list[int], to_heads: bool, group_nam
               direction: str) -> torch.Tensor:
     """One all-to-all, an operator so that torch.compile traces through it unbroken. The group travels by name, the
     heads as flat bounds [start0, stop0, start1, ...]; direction ("forward", "backward") is for the byte counts."""
+    group = _resolve_process_group(group_name)
     heads = [range(a, b) for a, b in zip(head_bounds[::2], head_bounds[1::2])]  # heads[j]: rank j's, P of them
-    P, (B, T, _, D) = len(heads), x.shape  # T: the tokens x holds, S/P or S
-    if to_heads:  # x: (B, S/P, H, D). Rank j gets my tokens of its heads, heads first: (H_j, B, S/P, D)
-        outgoing = [x[:, :, h.start:h.stop].permute(2, 0, 1, 3) for h in heads]
-    else:  # x: (B, S, H_r, D). Rank j gets its tokens of my heads: (B, S/P, H_r, D)
-        outgoing = x.unflatten(1, (P, -1)).unbind(1)
-    send = torch.cat([o for j, o in enumerate(outgoing) if j != rank]).flatten()  # flat: the others', in rank order
-    sizes = [0 if j == rank else o.numel() for j, o in enumerate(outgoing)]  # my own piece never leaves
-    sizes_in = [0 if i == rank else B * T * len(heads[rank]) * D if to_heads else B * T // P * len(h) * D
-                for i, h in enumerate(heads)]  # what rank i sends me: its tokens of my heads, or my tokens of its heads
-    received = x.new_empty(sum(sizes_in))  # flat, rank by rank
+    if to_heads:  # x: (B, S/P, H, D), my tokens of every head
+        B, S_local, _, D = x.shape
+        sizes = [B * S_local * len(h) * D for h in heads]  # what I send rank j: my tokens of its heads
+        send = x.new_empty(sum(sizes))  # flat, rank by rank
+        for block, h in zip(send.split(sizes), heads):  # one copy in all
+            block.view(B, S_local, len(h), D).copy_(x[:, :, h.start:h.stop])
+        received = x.new_empty(len(heads), B, S_local, len(heads[rank]), D)  # row i: rank i's tokens of my heads
+        with _gloo_lets_go(received, send):
+            dist.all_to_all_single(received, send, None, sizes, group=group)
+        _count(direction, send.nbytes - received[rank].nbytes)  # my own block stays here
+        return received.movedim(0, 1).flatten(1, 2)  # (P, B, S/P, H_r, D) -> (B, S, H_r, D), a copy unless B = 1
+    # x: (B, S, H_r, D), all tokens of my heads
+    send = x.unflatten(1, (len(heads), -1)).movedim(1, 0).contiguous()  # (P, B, S/P, H_r, D): row j, rank j's tokens
+    B, S_local, D = send.shape[1], send.shape[2], send.shape[4]
+    sizes = [B * S_local * len(h) * D for h in heads]  # what rank i sends me: my tokens of its heads
+    received = x.new_empty(sum(sizes))  # flat
     with _gloo_lets_go(received, send):
-        dist.all_to_all_single(received, send, sizes_in, sizes, group=_resolve_process_group(group_name))
-    _count(direction, send.nbytes)
-    del send  # freed before the output is made
-    out = _joined(x, head_bounds, to_heads, group_name, rank, direction)  # made as the fake makes it, strides too
-    summed = not to_heads and any(a.stop != b.start for a, b in zip(heads, heads[1:]))
-    if summed:  # a kv head that several ranks held comes back as the sum of theirs
-        out.zero_()
-    if to_heads:  # rank i's tokens of my heads go to place i: (H_r, B, S/P, D)
-        places = out.permute(2, 0, 1, 3).unflatten(2, (P, -1)).unbind(2)
-    else:  # my tokens of rank i's heads: (B, S/P, H_i, D)
-        places = [out[:, :, h.start:h.stop] for h in heads]
-    for i, (place, piece) in enumerate(zip(places, received.split(sizes_in))):
-        piece = outgoing[rank] if i == rank else piece.view(place.shape)  # flat -> place's shape
-        (place.add_ if summed else place.copy_)(piece)
-    return out
+        dist.all_to_all_single(received, send, sizes, None, group=group)
+    _count(direction, send.nbytes - send[rank].nbytes)  # my own block stays here
+    pieces = [p.view(B, S_local, len(h), D) for p, h in zip(received.split(sizes), heads)]  # (B, S/P, H_i, D) each
+    if all(a.stop == b.start for a, b in zip(heads, heads[1:])):  # every head from one rank: one copy joins them
+        return torch.cat(pieces, dim=2)  # (B, S/P, H, D)
+    joined = x.new_zeros(B, S_local, heads[-1].stop, D)  # a head that several ranks held: the sum of theirs
+    for piece, h in zip(pieces, heads):
+        joined[:, :, h.start:h.stop] += piece
+    return joined
 
 
 @_exchange.register_fake
-def _joined(x, head_bounds, to_heads, group_name, rank, direction):
-    """The exchange's output, empty, for `rank`: [B, S, H_r, D] stored head-major, or [B, S/P, H, D]. torch.compile
-    sees this too (inductor caches code by the arguments, so each rank keeps its own shapes)."""
+def _exchange_shapes(x, head_bounds, to_heads, group_name, rank, direction):
+    """What torch.compile sees: an empty output shaped and laid out as the exchange makes it, for `rank` (an argument:
+    inductor caches code by its arguments, so each rank keeps its own shapes)."""
     heads = [range(a, b) for a, b in zip(head_bounds[::2], head_bounds[1::2])]
-    P, (B, T, _, D) = len(heads), x.shape  # T: the tokens x holds
-    if to_heads:  # (B, S, H_r, D), laid out as (B, H_r, S, D)
-        return torch.empty_permuted((B, T * P, len(heads[rank]), D), (0, 2, 1, 3), dtype=x.dtype, device=x.device)
-    return x.new_empty(B, T // P, heads[-1].stop, D)  # (B, S/P, H, D)
+    if to_heads:
+        B, S_local, _, D = x.shape
+        return x.new_empty(len(heads), B, S_local, len(heads[rank]), D).movedim(0, 1).flatten(1, 2)
+    B, S, _, D = x.shape
+    return x.new_empty(B, S // len(heads), heads[-1].stop, D)
 
 
 def _keep_exchange(ctx, inputs, output):
