@@ -305,3 +305,18 @@ def test_optimizer_offload_trains_as_on_the_device():
                                        msg=lambda m: f"{where}, {key}: {m}")
     assert re.search(r"model state per rank \(max over ranks\): .* = [\d.]+ MiB in host memory; ", printed), printed
     assert re.search(r"peak tensor memory per rank .*; host memory: the same, on a CPU", printed), printed
+
+
+def test_readme_gives_each_file_its_lines():
+    """README's table of files gives each file's line count as it is, and its opening line the core's total (the
+    first five rows), so that a reader weighing the core reads the files' real size."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    with open(os.path.join(here, "README.md")) as f:
+        readme = f.read()
+    rows = re.findall(r"^\| `(\w+\.py)` \| (\d+) \|", readme, re.M)
+    assert len(rows) == 9, rows  # the core's five files and the four concept files
+    for name, lines in rows:
+        with open(os.path.join(here, name)) as f:
+            assert int(lines) == len(f.read().splitlines()), (name, lines)
+    core = sum(int(lines) for _, lines in rows[:5])
+    assert f"The core is five files, {core:,} lines" in readme, core

@@ -22,22 +22,23 @@ really crosses the sequence shards.
 One optimizer step, on every rank of the dp x sp mesh. The code cites these step numbers; "rule N" is ulysses.py's.
   1. each DP rank draws its own micro-batches of full sequences; the sp ranks of an SP group draw the same ones
      (load_micro_batch);
-  2. (rule 1) the labels are shifted by one before any sharding, label i = token i + 1 (a sample is drawn one
-     token longer than its inputs; -100 where nothing is to be learned): a shard's last label is the next shard's
-     first token (data.make_sample);
+  2. (rule 1) the labels are shifted by one before any sharding: the label at position i is the token at position
+     i + 1 (a sample is drawn one token longer than its inputs; -100 where nothing is to be learned), so a shard's
+     last label is the next shard's first token (data.make_sample);
   3. (rule 2) sequences are padded at the end to S_pad, a multiple of sp (label -100), and SP rank r keeps tokens
      [r*S_pad/sp, (r+1)*S_pad/sp) with their GLOBAL position ids (ulysses.shard_for_sp; with --ring,
      ring.shard_for_ring: the zigzag order, or with --balance documents each document's share);
   4. (rule 3) forward on the local tokens: embeddings, norms, MLP and loss per token, attention through
      ulysses_attention's exchanges (gpt.py); the model returns the SUM of its token losses;
   5. (rule 4) loss = that sum / the valid tokens of the WHOLE global batch, all dp x sp ranks and micro-steps
-     (ulysses.global_valid_tokens); a batch without valid tokens gives 0, never NaN;
+     (ulysses.global_valid_tokens, counted before step 4); a batch without valid tokens gives 0, never NaN;
   6. (rule 4) backward; gradients are SUMMED over all dp x sp ranks (ZeRO-3 reduce-scatters with SUM). With step
      5 this is exactly the gradient one device would compute on the global batch: no 1/sp or 1/dp factor;
   7. clip by the global gradient norm; sum the loss and accuracy of the global batch for the log (a non-finite
      loss stops the run here, before the update); AdamW updates this rank's shard; the next forward gathers
      the new weights.
-A plain `python train.py` is a process group of one, so the same collectives run (on one rank, they copy).
+A plain `python train.py` is a process group of one: the gradients' and the totals' all-reduces run there too (on
+one rank they copy); attention makes no all-to-all.
 """
 
 import math
@@ -90,7 +91,9 @@ def build(args, world_size, mesh, device, host=torch.device("cpu")):
     step i of this rank on its micro-batches (steps 1 to 7). host: where --offload and --offload-optimizer keep what
     they move off the device. memory.py runs it on fake tensors (memory.trace)."""
     torch.manual_seed(args.seed)  # every rank builds the same initial model
-    # the mesh is dp x ring x ulysses, row-major: a Ulysses group's ranks are consecutive (the fastest links)
+    # the mesh is dp x ring x ulysses, row-major: a Ulysses group's ranks are consecutive (the fastest links). Its
+    # groups carry: ulysses, the all-to-alls; ring, the ring's blocks; dp, which samples a rank draws (its index);
+    # every rank (WORLD), the gradients' sum (ZeRO-3's gathers and reduce-scatters), the token count, the totals
     dp, sp_groups = world_size // args.sp, (mesh.get_group("ulysses"), mesh.get_group("ring"))
     model = GPT(launch.model_config(args), *sp_groups, host)
     if device.type != "cpu":  # built on the CPU, so that a GPU run starts from the numbers a CPU run does

@@ -12,13 +12,13 @@ every rank holds the WHOLE sequence for its share of the heads, runs any attenti
 H_r is the number of heads rank r holds: H/P when P divides H, else H // P or one more (`head_layout`).
 
 One attention layer makes four all-to-alls forward: q, k and v go to heads (one call each), the output comes back
-(one call). Backward makes the same four the other way. Each call sends the (P-1)/P of its local tensor that
-belongs to other ranks, so per layer, with h = H*D and h_kv = H_kv*D, each rank sends in elements
+(one call). Backward makes the same four the other way. Each call keeps 1/P of its local tensor and sends the
+other ranks their (P-1)/P: a local q of B * S/P * h elements (h = H*D; h_kv = H_kv*D) sends B * S * h * (P-1)/P^2.
+So per layer each rank sends, in elements (P dividing both head counts; `all_to_all_bytes` counts any layout),
 
     forward:  B * S * (2*h + 2*h_kv) * (P-1) / P^2        backward: the same again
 
-(P dividing both head counts; `all_to_all_bytes` counts any layout). That stays constant when P grows with S;
-Megatron-style SP all-gathers the full activation instead.
+That stays constant when P grows with S; an all-gather of k and v grows with S.
 
 Four rules make training on P ranks equal to training on one device; this file holds what each one needs:
   1. shift the labels by one BEFORE sharding (a shard's last label is the next rank's first token);
@@ -49,8 +49,9 @@ from torch.distributed.distributed_c10d import _resolve_process_group  # a group
 #     rank 0 holds  x[t0, h0 h1]   sends x[t0, h1] to rank 1   receives x[t1, h0]   joins x[t0 t1, h0]
 #     rank 1 holds  x[t1, h0 h1]   sends x[t1, h0] to rank 0   receives x[t0, h1]   joins x[t0 t1, h1]
 #
-# heads_to_seq swaps the two dimensions' roles. Exact: rank i's piece lands at place i, and rank i holds the i-th
-# stretch of the sequence. A piece's gradient belongs to the rank that sent it: each exchange's backward is the other.
+# heads_to_seq swaps the two dimensions' roles. The join is exact because the piece from rank i goes to place i, and
+# rank i holds the i-th stretch of the sequence. A piece's gradient goes back to the rank that sent it, so the
+# backward of each exchange is the other exchange.
 
 
 def seq_to_heads(x, group, heads=None):
@@ -156,9 +157,9 @@ def ulysses_attention(q, k, v, group=None, attn_fn=None, check=True, sinks=None,
         attn_kwargs["sinks"] = sinks[query_heads[rank].start:query_heads[rank].stop]  # (Hq,) -> (hq,)
     q = seq_to_heads(q, group, query_heads)  # (B, S, hq, D)
     k, v = seq_to_heads(k, group, kv_heads), seq_to_heads(v, group, kv_heads)  # (B, S, hkv, D)
-    uses = kernel_kv_heads(n_head, n_kv_head, P, rank)
-    if uses != list(range(len(kv_heads[rank]))):  # not as a kernel pairs them: one kv head per query head
-        k, v = k[:, :, uses], v[:, :, uses]  # (B, S, hkv, D) -> (B, S, hq, D)
+    kv_for_query = kernel_kv_heads(n_head, n_kv_head, P, rank)
+    if kv_for_query != list(range(len(kv_heads[rank]))):  # no grouped-query pairing: a kv head for each query head
+        k, v = k[:, :, kv_for_query], v[:, :, kv_for_query]  # (B, S, hkv, D) -> (B, S, hq, D)
     return heads_to_seq(attn_fn(q, k, v, **attn_kwargs), group, query_heads)  # (B, S/P, Hq, D)
 
 
@@ -197,9 +198,9 @@ def kernel_kv_heads(n_head, n_kv_head, P, rank):
     heads, sp 3: the middle rank's query heads 3, 4, 5 use kv heads [0, 1, 1]), expanded after the all-to-all."""
     query_heads, kv_heads = head_layout(n_head, n_kv_head, P)
     hq, hkv = len(query_heads[rank]), len(kv_heads[rank])
-    uses = [h // (n_head // n_kv_head) - kv_heads[rank].start for h in query_heads[rank]]  # each query head's kv head
-    grouped = hq % hkv == 0 and uses == [i // (hq // hkv) for i in range(hq)]  # as the kernel would pair them
-    return list(range(hkv)) if grouped else uses
+    kv_for_query = [h // (n_head // n_kv_head) - kv_heads[rank].start for h in query_heads[rank]]  # an index each
+    grouped = hq % hkv == 0 and kv_for_query == [i // (hq // hkv) for i in range(hq)]  # as the kernel would pair them
+    return list(range(hkv)) if grouped else kv_for_query
 
 
 # ----------------------------------------------------------------------------------------------------------------
