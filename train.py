@@ -66,7 +66,7 @@ def main(argv=None):
         traced = memory.check(args, build)
         # the flags checked; the process groups and the dp x ring x ulysses mesh; --data read on every rank
         with launch.started(args) as run:
-            with checkpoint.out_dir(args, run, lr_at) as resume_from:  # this run's alone; None: start afresh
+            with checkpoint.out_dir(args, run, lr_at) as resume_from:  # a checkpoint of this run, or None: start anew
                 return train(args, run, resume_from, traced)
 
 

@@ -9,7 +9,7 @@ every rank holds the WHOLE sequence for its share of the heads, runs any attenti
     tokens r, all heads  ------------->  all tokens, heads r  --attn-->  ------------->  tokens r, all heads
     [B, S/P, H, D]       seq_to_heads       [B, S, H_r, D]              heads_to_seq      [B, S/P, H, D]
 
-H_r is the number of heads rank r holds: H/P when P divides H, else H // P or one more (`head_layout`).
+H_r is rank r's share of the heads: H/P when P divides H, else H // P or one more; of the kv heads for k and v.
 
 One attention layer makes four all-to-alls forward: q, k and v go to heads (one call each), the output comes back
 (one call). Backward makes the same four the other way. Each call keeps 1/P of its local tensor and sends the
@@ -18,7 +18,7 @@ So per layer each rank sends, in elements (P dividing both head counts; `all_to_
 
     forward:  B * S * (2*h + 2*h_kv) * (P-1) / P^2        backward: the same again
 
-That stays constant when P grows with S; an all-gather of k and v grows with S.
+The bytes a rank sends stay constant when P grows in step with S; with an all-gather of k and v they grow with S.
 
 Four rules make training on P ranks equal to training on one device; this file holds what each one needs:
   1. shift the labels by one BEFORE sharding (a shard's last label is the next rank's first token);
@@ -79,11 +79,11 @@ def _exchange(x: torch.Tensor, head_bounds: list[int], to_heads: bool, group_nam
     heads = [range(a, b) for a, b in zip(head_bounds[::2], head_bounds[1::2])]  # heads[j]: rank j's, P of them
     if to_heads:  # x: (B, S/P, H, D), my tokens of every head
         B, S_local, _, D = x.shape
-        sizes = [B * S_local * len(h) * D for h in heads]  # what I send rank j: my tokens of its heads
+        sizes = [B * S_local * len(h) * D for h in heads]  # to rank j: its heads, at my tokens
         send = x.new_empty(sum(sizes))  # flat, rank by rank
         for block, h in zip(send.split(sizes), heads):  # one copy in all
             block.view(B, S_local, len(h), D).copy_(x[:, :, h.start:h.stop])
-        received = x.new_empty(len(heads), B, S_local, len(heads[rank]), D)  # row i: rank i's tokens of my heads
+        received = x.new_empty(len(heads), B, S_local, len(heads[rank]), D)  # row i: my heads, at rank i's tokens
         with _gloo_lets_go(received, send):
             dist.all_to_all_single(received, send, None, sizes, group=group)
         _count(direction, send.nbytes - received[rank].nbytes)  # my own block stays here
@@ -91,7 +91,7 @@ def _exchange(x: torch.Tensor, head_bounds: list[int], to_heads: bool, group_nam
     # x: (B, S, H_r, D), all tokens of my heads
     send = x.unflatten(1, (len(heads), -1)).movedim(1, 0).contiguous()  # (P, B, S/P, H_r, D): row j, rank j's tokens
     B, S_local, D = send.shape[1], send.shape[2], send.shape[4]
-    sizes = [B * S_local * len(h) * D for h in heads]  # what rank i sends me: my tokens of its heads
+    sizes = [B * S_local * len(h) * D for h in heads]  # from rank i: its heads, at my tokens
     received = x.new_empty(sum(sizes))  # flat
     with _gloo_lets_go(received, send):
         dist.all_to_all_single(received, send, sizes, None, group=group)
@@ -341,7 +341,7 @@ def all_to_all_bytes(heads, rank, head_bytes):
 @contextmanager
 def _gloo_lets_go(*tensors):
     """Around a collective on CPU: once it returns, wait (a second at most) until gloo's worker thread has let go of
-    the tensors. Were the last reference its own as a script exits, it would need the interpreter lock, and abort."""
+    the tensors. Freeing a tensor's last reference needs the interpreter lock; at the script's exit, that aborts."""
     holders = lambda: [n for t in tensors for n in (t._use_count(), sys.getrefcount(t))]  # counted alike each time
     before = holders()
     yield
