@@ -29,7 +29,7 @@ Four rules make training on P ranks equal to training on one device; this file h
      and SUM the gradients over all ranks, data- and sequence-parallel alike, never average them.
 
 The file reads down the call path: the exchange, `ulysses_attention` and its head layout, the attention kernels,
-the batch and the loss (rules 1, 2 and 4), and the byte counts. It depends on torch alone: copy it anywhere.
+the batch and the loss (rules 2 and 4), and the byte counts. It depends on torch alone: copy it anywhere.
 """
 
 import operator
@@ -240,7 +240,7 @@ def sdpa_takes_groups(device_type, dtype, masked, head_dim):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# rules 1, 2 and 4: the batch and the loss
+# rules 2 and 4: the batch (its labels shifted by rule 1 before it comes here) and the loss
 
 
 def shard_for_sp(input_ids, labels, position_ids, group=None):
