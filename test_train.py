@@ -308,7 +308,7 @@ def test_optimizer_offload_trains_as_on_the_device():
 
 
 def test_readme_gives_each_file_its_lines():
-    """README's table of files gives each file's line count as it is, and its opening line the core's total (the
+    """README's table of files gives each file's line count as it is, and its opening paragraph the core's total (the
     first five rows), so that a reader weighing the core reads the files' real size."""
     here = os.path.dirname(os.path.abspath(__file__))
     with open(os.path.join(here, "README.md")) as f:

@@ -66,7 +66,7 @@ def main(argv=None):
         traced = memory.check(args, build)
         # the flags checked; the process groups and the dp x ring x ulysses mesh; --data read on every rank
         with launch.started(args) as run:
-            with checkpoint.out_dir(args, run, lr_at) as resume_from:  # a checkpoint of this run, or None: start anew
+            with checkpoint.out_dir(args, run, lr_at) as resume_from:  # --out-dir locked; what to resume, or None
                 return train(args, run, resume_from, traced)
 
 
@@ -92,8 +92,9 @@ def build(args, world_size, mesh, device, host=torch.device("cpu")):
     they move off the device. memory.py runs it on fake tensors (memory.trace)."""
     torch.manual_seed(args.seed)  # every rank builds the same initial model
     # the mesh is dp x ring x ulysses, row-major: a Ulysses group's ranks are consecutive (the fastest links). Its
-    # groups carry: ulysses, the all-to-alls; ring, the ring's blocks; dp, which samples a rank draws (its index);
-    # every rank (WORLD), the gradients' sum (ZeRO-3's gathers and reduce-scatters), the token count, the totals
+    # groups carry: ulysses, the all-to-alls (and the shard checks); ring, the ring's blocks; dp, nothing (its index
+    # picks a rank's samples). Every rank (WORLD) carries ZeRO-3's gathers and reduce-scatters (or --zero 0's
+    # all-reduce), the gradient norm, the token count and the totals
     dp, sp_groups = world_size // args.sp, (mesh.get_group("ulysses"), mesh.get_group("ring"))
     model = GPT(launch.model_config(args), *sp_groups, host)
     if device.type != "cpu":  # built on the CPU, so that a GPU run starts from the numbers a CPU run does

@@ -9,18 +9,18 @@ every rank holds the WHOLE sequence for its share of the heads, runs any attenti
     tokens r, all heads  ------------->  all tokens, heads r  --attn-->  ------------->  tokens r, all heads
     [B, S/P, H, D]       seq_to_heads       [B, S, H_r, D]              heads_to_seq      [B, S/P, H, D]
 
-H_r is rank r's share of the heads: H/P when P divides H, else H // P or one more; of the kv heads for k and v.
+H_r: the query heads rank r holds, H/P when P divides H, else H // P or one more; for k and v, the kv heads they use.
 
 One attention layer makes four all-to-alls forward: q, k and v go to heads (one call each), the output comes back
-(one call). Backward makes the same four the other way. Each call keeps 1/P of its local tensor and sends the
-other ranks their (P-1)/P: a local q of B * S/P * h elements (h = H*D; h_kv = H_kv*D) sends B * S * h * (P-1)/P^2.
-So per layer each rank sends, in elements (P dividing both head counts; `all_to_all_bytes` counts any layout),
+(one call). Backward makes the same four the other way. With P dividing both head counts, each call keeps 1/P of
+its local tensor and sends the other ranks their (P-1)/P: a local q of B * S/P * h elements (h = H*D; h_kv =
+H_kv*D) sends B * S * h * (P-1)/P^2. So per layer each rank sends, in elements (`all_to_all_bytes`: any layout),
 
     forward:  B * S * (2*h + 2*h_kv) * (P-1) / P^2        backward: the same again
 
-The bytes a rank sends stay constant when P grows in step with S; with an all-gather of k and v they grow with S.
+When P grows in step with S, that levels off at B * S/P * (2*h + 2*h_kv); an all-gather of k and v grows with S.
 
-Four rules make training on P ranks equal to training on one device; this file holds what each one needs:
+Four rules make training on P ranks equal to training on one device; this file holds what rules 2 to 4 need:
   1. shift the labels by one BEFORE sharding (a shard's last label is the next rank's first token);
   2. pad every sequence at its end to a multiple of P, give rank r tokens [r*S_pad/P, (r+1)*S_pad/P), and keep
      their GLOBAL position ids (RoPE and document boundaries need them): `shard_for_sp`;
@@ -49,9 +49,8 @@ from torch.distributed.distributed_c10d import _resolve_process_group  # a group
 #     rank 0 holds  x[t0, h0 h1]   sends x[t0, h1] to rank 1   receives x[t1, h0]   joins x[t0 t1, h0]
 #     rank 1 holds  x[t1, h0 h1]   sends x[t1, h0] to rank 0   receives x[t0, h1]   joins x[t0 t1, h1]
 #
-# heads_to_seq swaps the two dimensions' roles. The join is exact because the piece from rank i goes to place i, and
-# rank i holds the i-th stretch of the sequence. A piece's gradient goes back to the rank that sent it, so the
-# backward of each exchange is the other exchange.
+# heads_to_seq swaps the roles. The join is exact: rank i's piece goes to place i, and rank i holds the i-th stretch
+# of the sequence. A piece's gradient goes back to the rank that sent it: each exchange's backward is the other.
 
 
 def seq_to_heads(x, group, heads=None):
@@ -157,9 +156,9 @@ def ulysses_attention(q, k, v, group=None, attn_fn=None, check=True, sinks=None,
         attn_kwargs["sinks"] = sinks[query_heads[rank].start:query_heads[rank].stop]  # (Hq,) -> (hq,)
     q = seq_to_heads(q, group, query_heads)  # (B, S, hq, D)
     k, v = seq_to_heads(k, group, kv_heads), seq_to_heads(v, group, kv_heads)  # (B, S, hkv, D)
-    kv_for_query = kernel_kv_heads(n_head, n_kv_head, P, rank)
-    if kv_for_query != list(range(len(kv_heads[rank]))):  # no grouped-query pairing: a kv head for each query head
-        k, v = k[:, :, kv_for_query], v[:, :, kv_for_query]  # (B, S, hkv, D) -> (B, S, hq, D)
+    kernel_kv = kernel_kv_heads(n_head, n_kv_head, P, rank)
+    if kernel_kv != list(range(len(kv_heads[rank]))):  # no grouped-query pairing: a kv head for each query head
+        k, v = k[:, :, kernel_kv], v[:, :, kernel_kv]  # (B, S, hkv, D) -> (B, S, hq, D)
     return heads_to_seq(attn_fn(q, k, v, **attn_kwargs), group, query_heads)  # (B, S/P, Hq, D)
 
 
@@ -198,9 +197,9 @@ def kernel_kv_heads(n_head, n_kv_head, P, rank):
     heads, sp 3: the middle rank's query heads 3, 4, 5 use kv heads [0, 1, 1]), expanded after the all-to-all."""
     query_heads, kv_heads = head_layout(n_head, n_kv_head, P)
     hq, hkv = len(query_heads[rank]), len(kv_heads[rank])
-    kv_for_query = [h // (n_head // n_kv_head) - kv_heads[rank].start for h in query_heads[rank]]  # an index each
-    grouped = hq % hkv == 0 and kv_for_query == [i // (hq // hkv) for i in range(hq)]  # as the kernel would pair them
-    return list(range(hkv)) if grouped else kv_for_query
+    uses = [h // (n_head // n_kv_head) - kv_heads[rank].start for h in query_heads[rank]]  # each query head's kv head
+    grouped = hq % hkv == 0 and uses == [i // (hq // hkv) for i in range(hq)]  # as the kernel would pair them
+    return list(range(hkv)) if grouped else uses
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -341,7 +340,8 @@ def all_to_all_bytes(heads, rank, head_bytes):
 @contextmanager
 def _gloo_lets_go(*tensors):
     """Around a collective on CPU: once it returns, wait (a second at most) until gloo's worker thread has let go of
-    the tensors. Freeing a tensor's last reference needs the interpreter lock; at the script's exit, that aborts."""
+    the tensors: were it to free a tensor's last reference as the script exits, it would need the interpreter lock,
+    and the process would abort."""
     holders = lambda: [n for t in tensors for n in (t._use_count(), sys.getrefcount(t))]  # counted alike each time
     before = holders()
     yield
