@@ -21,7 +21,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 import train
 import zero3
-from conftest import assert_all_close, assert_same_training, bytes_line, run, run_ranks, torchrun, train_rank
+from conftest import HERE, assert_all_close, assert_same_training, bytes_line, run, run_ranks, torchrun, train_rank
 from harness import checkpoint
 
 
@@ -310,13 +310,12 @@ def test_optimizer_offload_trains_as_on_the_device():
 def test_readme_gives_each_file_its_lines():
     """README's table of files gives each file's line count as it is, and its opening paragraph the core's total (the
     first five rows), so that a reader weighing the core reads the files' real size."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    with open(os.path.join(here, "README.md")) as f:
+    with open(os.path.join(HERE, "README.md")) as f:
         readme = f.read()
     rows = re.findall(r"^\| `(\w+\.py)` \| (\d+) \|", readme, re.M)
     assert len(rows) == 9, rows  # the core's five files and the four concept files
     for name, lines in rows:
-        with open(os.path.join(here, name)) as f:
+        with open(os.path.join(HERE, name)) as f:
             assert int(lines) == len(f.read().splitlines()), (name, lines)
     core = sum(int(lines) for _, lines in rows[:5])
     assert f"The core is five files, {core:,} lines" in readme, core
