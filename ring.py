@@ -105,8 +105,8 @@ def _ring_forward(q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None, documen
             if step < R - 1:
                 kv = arrived(*incoming, q.device)
         if sinks is not None:  # one more block, once per query, after all the others: lse = the sink, output 0
-            merge(out, lse, 0.0, sinks.to(lse.dtype)[:, None])  # sinks (Hq,) -> (Hq, 1), against lse (B, Hq, L)
-    return out.transpose(1, 2).to(q.dtype).contiguous(), lse  # (B, Hq, L, D) -> (B, L, Hq, D)
+            merge(out, lse, out.new_zeros(()), sinks.to(lse.dtype)[:, None])  # sinks (Hq,) -> (Hq, 1), lse (B, Hq, L)
+    return out.transpose(1, 2).to(q.dtype, memory_format=torch.contiguous_format), lse  # (B, Hq, L, D) -> (B, L, Hq, D)
 
 
 @torch.library.custom_op("ring::attention_backward", mutates_args=())
@@ -137,8 +137,8 @@ def _ring_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, l
             if step < R - 1:
                 kv = arrived(*incoming, q.device)
         dk, dv = arrived(*accumulator, q.device).transpose(2, 3)  # my own block's, every rank's term: (B, L, Hkv, D)
-    dk, dv = (t.to(q.dtype).clone(memory_format=torch.contiguous_format) for t in (dk, dv))  # own their memory
-    return dq.transpose(1, 2).to(q.dtype).contiguous(), dk, dv  # dq (B, Hq, L, D) -> (B, L, Hq, D)
+    dk, dv = (t.to(q.dtype, copy=True, memory_format=torch.contiguous_format) for t in (dk, dv))  # own their memory
+    return dq.transpose(1, 2).to(q.dtype, memory_format=torch.contiguous_format), dk, dv  # dq (B, L, Hq, D) again
 
 
 def pass_on(x, group, phase):
@@ -222,11 +222,11 @@ def block_attention(q, k, v, lo, hi, scale, kernel):
 
 
 def merge(out, lse, block_out, block_lse):
-    """Fold one block's result into the running one, in place. log(e^a + e^b) = max(a, b) + log(1 + e^-|a - b|): the
-    larger passes exactly, and the rounding of a - b reaches only the small correction. -inf and -inf stay -inf."""
-    w = torch.sigmoid(block_lse - lse).nan_to_num_(0.0)  # e^lse_b / e^lse; nan where both are -inf
-    out.sub_(w[..., None] * (out - block_out))  # o_a + w (o_b - o_a)
-    lse.copy_(torch.maximum(lse, block_lse) - F.logsigmoid((lse - block_lse).abs()).nan_to_num_(0.0))  # log(1+e^-x)
+    """Fold one block's result into the running one, in place. logaddexp takes log(e^a + e^b) as max(a, b) +
+    log(1 + e^-|a - b|): the larger passes exactly, and the rounding of a - b reaches only the small correction."""
+    torch.logaddexp(lse, block_lse, out=lse)  # -inf where both are -inf
+    w = (block_lse - lse).exp_().nan_to_num_(0.0)  # e^lse_b / e^lse, the block's share; nan where both are -inf
+    out.lerp_(block_out, w[..., None])  # o_a + w (o_b - o_a)
 
 
 def block_gradients(q, k, v, out, lse, dout, lo, hi, scale, kernel):
