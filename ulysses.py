@@ -12,9 +12,9 @@ every rank holds the WHOLE sequence for its share of the heads, runs any attenti
 H_r: the query heads rank r holds, H/P when P divides H, else H // P or one more; for k and v, the kv heads they use.
 
 One attention layer makes four all-to-alls forward: q, k and v go to heads (one call each), the output comes back
-(one call). Backward makes the same four the other way. With P dividing both head counts, each call keeps 1/P of
-its local tensor and sends the other ranks their (P-1)/P: a local q of B * S/P * h elements (h = H*D; h_kv =
-H_kv*D) sends B * S * h * (P-1)/P^2. So per layer each rank sends, in elements (`all_to_all_bytes`: any layout),
+(one call). Backward makes the same four the other way. Let h = H*D and h_kv = H_kv*D, and let P divide both head
+counts. Each call keeps 1/P of its input and sends the other (P-1)/P: a local q of B * S/P * h elements sends
+B * S * h * (P-1)/P^2. So per layer each rank sends, in elements (`all_to_all_bytes`: any layout),
 
     forward:  B * S * (2*h + 2*h_kv) * (P-1) / P^2        backward: the same again
 
@@ -49,21 +49,21 @@ from torch.distributed.distributed_c10d import _resolve_process_group  # a group
 #     rank 0 holds  x[t0, h0 h1]   sends x[t0, h1] to rank 1   receives x[t1, h0]   joins x[t0 t1, h0]
 #     rank 1 holds  x[t1, h0 h1]   sends x[t1, h0] to rank 0   receives x[t0, h1]   joins x[t0 t1, h1]
 #
-# heads_to_seq swaps the roles. The join is exact: rank i's piece goes to place i, and rank i holds the i-th stretch
-# of the sequence. A piece's gradient goes back to the rank that sent it: each exchange's backward is the other.
+# heads_to_seq swaps the roles. Rank i holds the i-th stretch of the sequence, so joining the pieces in rank order
+# rebuilds it. The backward of each exchange is the other one: a piece's gradient goes back to the rank that sent it.
 
 
 def seq_to_heads(x, group, heads=None):
     """[B, S/P, H, D] (my tokens, all heads) -> [B, S, H_r, D] (all tokens, my heads). heads[j]: the range of heads
-    rank j receives (default H/P each, in order; head_layout's may be uneven, and share kv heads). Differentiable."""
+    rank j receives (default: in order, H/P each or, when P does not divide H, one more for the first ranks)."""
     P, rank = size_and_rank(group)
     bounds = [b for h in heads or head_layout(x.shape[2], 1, P)[0] for b in (h.start, h.stop)]  # flat, for the op
     return x if P == 1 else _exchange(x, bounds, True, group.group_name, rank, "forward")
 
 
 def heads_to_seq(x, group, heads=None):
-    """[B, S, H_r, D] -> [B, S/P, H, D]: the inverse of seq_to_heads, with the same heads. A head that several ranks
-    held comes back as the sum of theirs (a shared kv head's gradient). Differentiable."""
+    """[B, S, H_r, D] -> [B, S/P, H, D]: the inverse of seq_to_heads, given the same heads (without them, H/P on
+    every rank). A head that several ranks held comes back as the sum of theirs (a shared kv head's gradient)."""
     P, rank = size_and_rank(group)
     bounds = [b for h in heads or head_layout(x.shape[2] * P, 1, P)[0] for b in (h.start, h.stop)]
     return x if P == 1 else _exchange(x, bounds, False, group.group_name, rank, "forward")
@@ -79,7 +79,7 @@ def _exchange(x: torch.Tensor, head_bounds: list[int], to_heads: bool, group_nam
     if to_heads:  # x: (B, S/P, H, D), my tokens of every head
         B, S_local, _, D = x.shape
         sizes = [B * S_local * len(h) * D for h in heads]  # to rank j: its heads, at my tokens
-        send = x.new_empty(sum(sizes))  # flat, rank by rank
+        send = x.new_empty(sum(sizes))  # (sum(sizes),): flat, rank by rank
         for block, h in zip(send.split(sizes), heads):  # one copy in all
             block.view(B, S_local, len(h), D).copy_(x[:, :, h.start:h.stop])
         received = x.new_empty(len(heads), B, S_local, len(heads[rank]), D)  # row i: my heads, at rank i's tokens
@@ -91,14 +91,14 @@ def _exchange(x: torch.Tensor, head_bounds: list[int], to_heads: bool, group_nam
     send = x.unflatten(1, (len(heads), -1)).movedim(1, 0).contiguous()  # (P, B, S/P, H_r, D): row j, rank j's tokens
     B, S_local, D = send.shape[1], send.shape[2], send.shape[4]
     sizes = [B * S_local * len(h) * D for h in heads]  # from rank i: its heads, at my tokens
-    received = x.new_empty(sum(sizes))  # flat
+    received = x.new_empty(sum(sizes))  # (sum(sizes),): flat, rank by rank
     with _gloo_lets_go(received, send):
         dist.all_to_all_single(received, send, sizes, None, group=group)
     _count(direction, send.nbytes - send[rank].nbytes)  # my own block stays here
     pieces = [p.view(B, S_local, len(h), D) for p, h in zip(received.split(sizes), heads)]  # (B, S/P, H_i, D) each
     if all(a.stop == b.start for a, b in zip(heads, heads[1:])):  # every head from one rank: one copy joins them
         return torch.cat(pieces, dim=2)  # (B, S/P, H, D)
-    joined = x.new_zeros(B, S_local, heads[-1].stop, D)  # a head that several ranks held: the sum of theirs
+    joined = x.new_zeros(B, S_local, heads[-1].stop, D)  # (B, S/P, H, D): a head several ranks held sums theirs
     for piece, h in zip(pieces, heads):
         joined[:, :, h.start:h.stop] += piece
     return joined
@@ -134,8 +134,8 @@ _exchange.register_autograd(_exchange_backward, setup_context=_keep_exchange)
 
 def ulysses_attention(q, k, v, group=None, attn_fn=None, check=True, sinks=None, **attn_kwargs):
     """Attention over the full sequence when each rank holds S/P tokens: q [B, S/P, Hq, D], k and v [B, S/P, Hkv,
-    D] -> [B, S/P, Hq, D]. attn_fn(q, k, v, **attn_kwargs) sees [B, S, heads, D], this rank's heads (head_layout),
-    query head i using kv head i // (hq / hkv) as grouped-query kernels do; default causal_attention.
+    D] -> [B, S/P, Hq, D]. attn_fn(q, k, v, **attn_kwargs) gets the full sequence of this rank's heads (head_layout):
+    q [B, S, hq, D], k and v [B, S, hkv, D], query head i using kv head i // (hq / hkv); default causal_attention.
     ring.ring_attention over a ring group makes it Ulysses x Ring. group=None or of one rank: attn_fn alone.
     check: first make sure every rank passes alike q, k and v (`check_inputs`; skipped while compiling).
     sinks [Hq]: a learned logit per query head (gpt-oss), given to attn_fn for this rank's heads as sinks=...."""
@@ -192,9 +192,9 @@ def head_layout(n_head, n_kv_head, P):
 
 
 def kernel_kv_heads(n_head, n_kv_head, P, rank):
-    """The kv heads rank `rank`'s kernel gets, as indices into those it holds: all of them, where its heads pair as a
-    grouped-query kernel pairs them (query head i, kv head i // (hq / hkv)); else one per query head (8 heads, 2 kv
-    heads, sp 3: the middle rank's query heads 3, 4, 5 use kv heads [0, 1, 1]), expanded after the all-to-all."""
+    """Which of the kv heads rank `rank` holds its kernel gets (indices). A grouped-query kernel pairs query head i
+    with kv head i // (hq / hkv): where the rank's heads pair so, all of them; else one per query head, copied after
+    the all-to-all (8 heads, 2 kv heads, sp 3: rank 1's query heads 3, 4, 5 use kv heads [0, 1, 1])."""
     query_heads, kv_heads = head_layout(n_head, n_kv_head, P)
     hq, hkv = len(query_heads[rank]), len(kv_heads[rank])
     uses = [h // (n_head // n_kv_head) - kv_heads[rank].start for h in query_heads[rank]]  # each query head's kv head
