@@ -106,7 +106,7 @@ def _ring_forward(q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None, documen
                 kv = arrived(*incoming, q.device)
         if sinks is not None:  # one more block, once per query, after all the others: lse = the sink, output 0
             merge(out, lse, out.new_zeros(()), sinks.to(lse.dtype)[:, None])  # sinks (Hq,) -> (Hq, 1), lse (B, Hq, L)
-    return out.transpose(1, 2).to(q.dtype, memory_format=torch.contiguous_format), lse  # (B, Hq, L, D) -> (B, L, Hq, D)
+    return out.transpose(1, 2).to(q.dtype, copy=True, memory_format=torch.contiguous_format), lse  # -> (B, L, Hq, D)
 
 
 @torch.library.custom_op("ring::attention_backward", mutates_args=())
@@ -138,7 +138,7 @@ def _ring_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, l
                 kv = arrived(*incoming, q.device)
         dk, dv = arrived(*accumulator, q.device).transpose(2, 3)  # my own block's, every rank's term: (B, L, Hkv, D)
     dk, dv = (t.to(q.dtype, copy=True, memory_format=torch.contiguous_format) for t in (dk, dv))  # own their memory
-    return dq.transpose(1, 2).to(q.dtype, memory_format=torch.contiguous_format), dk, dv  # dq (B, L, Hq, D) again
+    return dq.transpose(1, 2).to(q.dtype, copy=True, memory_format=torch.contiguous_format), dk, dv  # -> (B, L, Hq, D)
 
 
 def pass_on(x, group, phase):
