@@ -28,8 +28,8 @@ Four rules make training on P ranks equal to training on one device; this file h
   4. divide each rank's SUM of token losses by the valid tokens of the WHOLE global batch (`global_valid_tokens`),
      and SUM the gradients over all ranks, data- and sequence-parallel alike, never average them.
 
-The file reads down the call path: the exchange, `ulysses_attention` and its head layout, the attention kernels,
-the batch and the loss (rules 2 and 4), and the byte counts. It depends on torch alone: copy it anywhere.
+The file reads down the call path: `ulysses_attention` and its head layout, the exchange it calls, the attention
+kernels, the batch and the loss (rules 2 and 4), and the byte counts. It depends on torch alone: copy it anywhere.
 """
 
 import operator
@@ -41,6 +41,80 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.distributed_c10d import _resolve_process_group  # a group's name -> the group
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# rule 3: attention over the full sequence
+
+
+def ulysses_attention(q, k, v, group=None, attn_fn=None, check=True, sinks=None, **attn_kwargs):
+    """Attention over the full sequence when each rank holds S/P tokens: q [B, S/P, Hq, D], k and v [B, S/P, Hkv,
+    D] -> [B, S/P, Hq, D]. attn_fn(q, k, v, **attn_kwargs) gets the full sequence of this rank's heads (head_layout):
+    q [B, S, hq, D], k and v [B, S, hkv, D], query head i using kv head i // (hq / hkv); default causal_attention.
+    ring.ring_attention over a ring group makes it Ulysses x Ring. group=None or of one rank: attn_fn alone.
+    check: first make sure every rank passes alike q, k and v (`check_inputs`; skipped while compiling).
+    sinks [Hq]: a learned logit per query head (gpt-oss), given to attn_fn for this rank's heads as sinks=...."""
+    if sinks is not None and (attn_fn is None or tuple(sinks.shape) != (q.shape[2],)):
+        raise ValueError(f"ulysses_attention: sinks {tuple(sinks.shape)} need one logit per query head, "
+                         f"[{q.shape[2]}], and an attn_fn that takes sinks=, e.g. ring.ring_attention")
+    attn_fn = attn_fn or causal_attention
+    P, rank = size_and_rank(group)
+    if P == 1:
+        return attn_fn(q, k, v, **attn_kwargs) if sinks is None else attn_fn(q, k, v, sinks=sinks, **attn_kwargs)
+    if check and not torch.compiler.is_compiling():
+        check_inputs(q, k, v, group)
+    # operator.index: plain ints even when torch.compile makes sizes symbolic, so that the head layout is fixed in
+    # the graph (one graph per head count) and only the sequence length stays symbolic
+    n_head, n_kv_head = operator.index(q.shape[2]), operator.index(k.shape[2])
+    query_heads, kv_heads = head_layout(n_head, n_kv_head, P)
+    if sinks is not None:  # my kernel gets the sinks of the query heads I hold
+        attn_kwargs["sinks"] = sinks[query_heads[rank].start:query_heads[rank].stop]  # (Hq,) -> (hq,)
+    q = seq_to_heads(q, group, query_heads)  # (B, S, hq, D)
+    k, v = seq_to_heads(k, group, kv_heads), seq_to_heads(v, group, kv_heads)  # (B, S, hkv, D)
+    kernel_kv = kernel_kv_heads(n_head, n_kv_head, P, rank)
+    if kernel_kv != list(range(len(kv_heads[rank]))):  # no grouped-query pairing: a kv head for each query head
+        k, v = k[:, :, kernel_kv], v[:, :, kernel_kv]  # (B, S, hkv, D) -> (B, S, hq, D)
+    return heads_to_seq(attn_fn(q, k, v, **attn_kwargs), group, query_heads)  # (B, S/P, Hq, D)
+
+
+def head_layout(n_head, n_kv_head, P):
+    """The heads each rank of an SP group of P holds between the two all-to-alls: (query_heads, kv_heads), two
+    lists of P ranges. Any P <= n_head works, with any n_kv_head that divides n_head.
+
+    Query heads go out in contiguous runs, as even as possible: the first n_head % P ranks get one more. Each
+    rank gets exactly the key/value heads its query heads use (query head h uses kv head h // (n_head /
+    n_kv_head)), so a kv head whose query heads land on several ranks is sent to each of them, and no rank gets
+    one it does not use. For 6 query heads, 2 kv heads and P = 4:
+
+        query heads    0 1 | 2 3 | 4 | 5        6 % 4 = 2: ranks 0 and 1 hold two heads, ranks 2 and 3 one
+        kv head used   0 0 | 0 1 | 1 | 1        query head h uses kv head h // 3
+        rank             0 |   1 | 2 | 3
+        kv heads held    0 | 0 1 | 1 | 1        kv head 0 goes to ranks 0 and 1, kv head 1 to ranks 1, 2, 3
+    """
+    if n_head % n_kv_head:
+        divisors = ", ".join(str(d) for d in range(1, n_head + 1) if n_head % d == 0)
+        raise ValueError(f"n_head={n_head} is not a multiple of n_kv_head={n_kv_head}; choose n_kv_head in "
+                         f"{{{divisors}}}")
+    if P > n_head:
+        valid = ", ".join(map(str, range(1, n_head + 1))) if n_head <= 8 else f"1, 2, ..., {n_head}"
+        raise ValueError(f"sp={P} is larger than n_head={n_head}: a rank would hold no head; choose sp in {{{valid}}}")
+    per_kv = n_head // n_kv_head  # query heads per kv head
+    base, extra = divmod(n_head, P)
+    starts = [r * base + min(r, extra) for r in range(P + 1)]
+    query_heads = [range(a, b) for a, b in zip(starts, starts[1:])]
+    kv_heads = [range(q.start // per_kv, (q.stop - 1) // per_kv + 1) for q in query_heads]
+    return query_heads, kv_heads
+
+
+def kernel_kv_heads(n_head, n_kv_head, P, rank):
+    """Which of the kv heads rank `rank` holds its kernel gets (indices). A grouped-query kernel pairs query head i
+    with kv head i // (hq / hkv): where the rank's heads pair so, all of them; else one per query head, copied after
+    the all-to-all (8 heads, 2 kv heads, sp 3: rank 1's query heads 3, 4, 5 use kv heads [0, 1, 1])."""
+    query_heads, kv_heads = head_layout(n_head, n_kv_head, P)
+    hq, hkv = len(query_heads[rank]), len(kv_heads[rank])
+    uses = [h // (n_head // n_kv_head) - kv_heads[rank].start for h in query_heads[rank]]  # each query head's kv head
+    grouped = hq % hkv == 0 and uses == [i // (hq // hkv) for i in range(hq)]  # as the kernel would pair them
+    return list(range(hkv)) if grouped else uses
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -126,80 +200,6 @@ def _exchange_backward(ctx, grad):  # the same exchange the other way: each piec
 
 
 _exchange.register_autograd(_exchange_backward, setup_context=_keep_exchange)
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# rule 3: attention over the full sequence
-
-
-def ulysses_attention(q, k, v, group=None, attn_fn=None, check=True, sinks=None, **attn_kwargs):
-    """Attention over the full sequence when each rank holds S/P tokens: q [B, S/P, Hq, D], k and v [B, S/P, Hkv,
-    D] -> [B, S/P, Hq, D]. attn_fn(q, k, v, **attn_kwargs) gets the full sequence of this rank's heads (head_layout):
-    q [B, S, hq, D], k and v [B, S, hkv, D], query head i using kv head i // (hq / hkv); default causal_attention.
-    ring.ring_attention over a ring group makes it Ulysses x Ring. group=None or of one rank: attn_fn alone.
-    check: first make sure every rank passes alike q, k and v (`check_inputs`; skipped while compiling).
-    sinks [Hq]: a learned logit per query head (gpt-oss), given to attn_fn for this rank's heads as sinks=...."""
-    if sinks is not None and (attn_fn is None or tuple(sinks.shape) != (q.shape[2],)):
-        raise ValueError(f"ulysses_attention: sinks {tuple(sinks.shape)} need one logit per query head, "
-                         f"[{q.shape[2]}], and an attn_fn that takes sinks=, e.g. ring.ring_attention")
-    attn_fn = attn_fn or causal_attention
-    P, rank = size_and_rank(group)
-    if P == 1:
-        return attn_fn(q, k, v, **attn_kwargs) if sinks is None else attn_fn(q, k, v, sinks=sinks, **attn_kwargs)
-    if check and not torch.compiler.is_compiling():
-        check_inputs(q, k, v, group)
-    # operator.index: plain ints even when torch.compile makes sizes symbolic, so that the head layout is fixed in
-    # the graph (one graph per head count) and only the sequence length stays symbolic
-    n_head, n_kv_head = operator.index(q.shape[2]), operator.index(k.shape[2])
-    query_heads, kv_heads = head_layout(n_head, n_kv_head, P)
-    if sinks is not None:  # my kernel gets the sinks of the query heads I hold
-        attn_kwargs["sinks"] = sinks[query_heads[rank].start:query_heads[rank].stop]  # (Hq,) -> (hq,)
-    q = seq_to_heads(q, group, query_heads)  # (B, S, hq, D)
-    k, v = seq_to_heads(k, group, kv_heads), seq_to_heads(v, group, kv_heads)  # (B, S, hkv, D)
-    kernel_kv = kernel_kv_heads(n_head, n_kv_head, P, rank)
-    if kernel_kv != list(range(len(kv_heads[rank]))):  # no grouped-query pairing: a kv head for each query head
-        k, v = k[:, :, kernel_kv], v[:, :, kernel_kv]  # (B, S, hkv, D) -> (B, S, hq, D)
-    return heads_to_seq(attn_fn(q, k, v, **attn_kwargs), group, query_heads)  # (B, S/P, Hq, D)
-
-
-def head_layout(n_head, n_kv_head, P):
-    """The heads each rank of an SP group of P holds between the two all-to-alls: (query_heads, kv_heads), two
-    lists of P ranges. Any P <= n_head works, with any n_kv_head that divides n_head.
-
-    Query heads go out in contiguous runs, as even as possible: the first n_head % P ranks get one more. Each
-    rank gets exactly the key/value heads its query heads use (query head h uses kv head h // (n_head /
-    n_kv_head)), so a kv head whose query heads land on several ranks is sent to each of them, and no rank gets
-    one it does not use. For 6 query heads, 2 kv heads and P = 4:
-
-        query heads    0 1 | 2 3 | 4 | 5        6 % 4 = 2: ranks 0 and 1 hold two heads, ranks 2 and 3 one
-        kv head used   0 0 | 0 1 | 1 | 1        query head h uses kv head h // 3
-        rank             0 |   1 | 2 | 3
-        kv heads held    0 | 0 1 | 1 | 1        kv head 0 goes to ranks 0 and 1, kv head 1 to ranks 1, 2, 3
-    """
-    if n_head % n_kv_head:
-        divisors = ", ".join(str(d) for d in range(1, n_head + 1) if n_head % d == 0)
-        raise ValueError(f"n_head={n_head} is not a multiple of n_kv_head={n_kv_head}; choose n_kv_head in "
-                         f"{{{divisors}}}")
-    if P > n_head:
-        valid = ", ".join(map(str, range(1, n_head + 1))) if n_head <= 8 else f"1, 2, ..., {n_head}"
-        raise ValueError(f"sp={P} is larger than n_head={n_head}: a rank would hold no head; choose sp in {{{valid}}}")
-    per_kv = n_head // n_kv_head  # query heads per kv head
-    base, extra = divmod(n_head, P)
-    starts = [r * base + min(r, extra) for r in range(P + 1)]
-    query_heads = [range(a, b) for a, b in zip(starts, starts[1:])]
-    kv_heads = [range(q.start // per_kv, (q.stop - 1) // per_kv + 1) for q in query_heads]
-    return query_heads, kv_heads
-
-
-def kernel_kv_heads(n_head, n_kv_head, P, rank):
-    """Which of the kv heads rank `rank` holds its kernel gets (indices). A grouped-query kernel pairs query head i
-    with kv head i // (hq / hkv): where the rank's heads pair so, all of them; else one per query head, copied after
-    the all-to-all (8 heads, 2 kv heads, sp 3: rank 1's query heads 3, 4, 5 use kv heads [0, 1, 1])."""
-    query_heads, kv_heads = head_layout(n_head, n_kv_head, P)
-    hq, hkv = len(query_heads[rank]), len(kv_heads[rank])
-    uses = [h // (n_head // n_kv_head) - kv_heads[rank].start for h in query_heads[rank]]  # each query head's kv head
-    grouped = hq % hkv == 0 and uses == [i // (hq // hkv) for i in range(hq)]  # as the kernel would pair them
-    return list(range(hkv)) if grouped else uses
 
 
 # ----------------------------------------------------------------------------------------------------------------
