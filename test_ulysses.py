@@ -34,8 +34,9 @@ def _shard_and_all_to_all_rank(rank, world_size, dtype):
     valid = ulysses.global_valid_tokens([shard[1], shard[1][:1]], group)  # two micro-batches
     full = torch.randn(2, 12, 4 * world_size, 3, generator=g).to(dtype)  # (B, S, H, D)
     local = sp_slice(full, rank, world_size).clone().requires_grad_()  # (B, S/P, H, D): my tokens
-    heads = ulysses.seq_to_heads(local, group).mul_(1.0)  # (B, S, H/P, D): all tokens, my heads; in place is fine
-    back = ulysses.heads_to_seq(heads, group)
+    even = ulysses.head_layout(4 * world_size, 1, world_size)[0]  # 4 heads a rank
+    heads = ulysses.seq_to_heads(local, group, even).mul_(1.0)  # (B, S, H/P, D): all tokens, my heads; in place is fine
+    back = ulysses.heads_to_seq(heads, group, even)
     grad_heads = torch.randn(heads.shape, generator=torch.Generator().manual_seed(1 + rank)).to(dtype)
     heads.backward(grad_heads)
     # uneven heads: 5 heads over the ranks as head_layout splits them, and a kv head that goes to every rank
@@ -43,7 +44,7 @@ def _shard_and_all_to_all_rank(rank, world_size, dtype):
     query, kv = ulysses.head_layout(5, 1, world_size)
     mine, shared = ulysses.seq_to_heads(five, group, query), ulysses.seq_to_heads(five[:, :, :1], group, kv)
     (mine.sum() + 2 * shared.sum()).backward()
-    return (shard, valid, heads.detach(), back.detach(), local.grad, ulysses.heads_to_seq(grad_heads, group),
+    return (shard, valid, heads.detach(), back.detach(), local.grad, ulysses.heads_to_seq(grad_heads, group, even),
             mine.detach(), ulysses.heads_to_seq(mine, group, query).detach(), five.grad)
 
 

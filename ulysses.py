@@ -63,8 +63,7 @@ def ulysses_attention(q, k, v, group=None, attn_fn=None, check=True, sinks=None,
         return attn_fn(q, k, v, **attn_kwargs) if sinks is None else attn_fn(q, k, v, sinks=sinks, **attn_kwargs)
     if check and not torch.compiler.is_compiling():
         check_inputs(q, k, v, group)
-    # operator.index: plain ints even when torch.compile makes sizes symbolic, so that the head layout is fixed in
-    # the graph (one graph per head count) and only the sequence length stays symbolic
+    # head counts as plain ints (operator.index), so torch.compile fixes the head layout; only S stays symbolic
     n_head, n_kv_head = operator.index(q.shape[2]), operator.index(k.shape[2])
     query_heads, kv_heads = head_layout(n_head, n_kv_head, P)
     if sinks is not None:  # my kernel gets the sinks of the query heads I hold
@@ -107,14 +106,28 @@ def head_layout(n_head, n_kv_head, P):
 
 
 def kernel_kv_heads(n_head, n_kv_head, P, rank):
-    """Which of the kv heads rank `rank` holds its kernel gets (indices). A grouped-query kernel pairs query head i
-    with kv head i // (hq / hkv): where the rank's heads pair so, all of them; else one per query head, copied after
-    the all-to-all (8 heads, 2 kv heads, sp 3: rank 1's query heads 3, 4, 5 use kv heads [0, 1, 1])."""
+    """Indices into the kv heads rank `rank` receives: the ones its kernel gets. If its query heads already pair with
+    them as a grouped-query kernel expects (head i -> i // (hq / hkv)), all of them; else one per query head, so the
+    kernel sees hq kv heads (8 heads, 2 kv heads, sp 3: rank 1's query heads 3, 4, 5 use kv heads [0, 1, 1])."""
     query_heads, kv_heads = head_layout(n_head, n_kv_head, P)
     hq, hkv = len(query_heads[rank]), len(kv_heads[rank])
     uses = [h // (n_head // n_kv_head) - kv_heads[rank].start for h in query_heads[rank]]  # each query head's kv head
     grouped = hq % hkv == 0 and uses == [i // (hq // hkv) for i in range(hq)]  # as the kernel would pair them
     return list(range(hkv)) if grouped else uses
+
+
+def check_inputs(q, k, v, group):
+    """ValueError on every rank unless every rank passes the same q [B, S/P, Hq, D], k [B, S/P, Hkv, D] and v [B,
+    S/P, Hkv, Dv] of one float dtype. The exchange assumes it: a mismatch would abort or hang the collective."""
+    dtypes = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
+    fit = (q.dim() == k.dim() == v.dim() == 4 and q.shape[:2] == k.shape[:2] == v.shape[:2] and k.shape[2] == v.shape[2]
+           and q.shape[3] == k.shape[3] and q.dtype == k.dtype == v.dtype and q.dtype in dtypes)
+    mine = [*q.shape, *k.shape[2:], v.shape[3], dtypes.index(q.dtype)] if fit else [-1] * 8  # -1: unfit
+    every = _every_rank(mine, q.device, group)
+    if len(set(every)) > 1 or not fit:  # every rank gathered the same list, so every rank raises
+        raise ValueError(f"ulysses_attention: q, k, v differ between the ranks or do not fit together ([B, S/P, Hq, "
+                         f"D, Hkv, Dk, Dv, dtype] by rank: {every}); want q [B, S/P, Hq, D], k [B, S/P, Hkv, D], v [B, "
+                         f"S/P, Hkv, Dv] of one float dtype, alike on every rank")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -127,19 +140,19 @@ def kernel_kv_heads(n_head, n_kv_head, P, rank):
 # rebuilds it. The backward of each exchange is the other one: a piece's gradient goes back to the rank that sent it.
 
 
-def seq_to_heads(x, group, heads=None):
-    """[B, S/P, H, D] (my tokens, all heads) -> [B, S, H_r, D] (all tokens, my heads). heads[j]: the range of heads
-    rank j receives (default: in order, H/P each or, when P does not divide H, one more for the first ranks)."""
+def seq_to_heads(x, group, heads):
+    """[B, S/P, H, D] (my tokens, all heads) -> [B, S, H_r, D] (all tokens, my heads). heads: P ranges, heads[j] the
+    heads rank j receives (`head_layout` gives them). Differentiable: its backward is heads_to_seq."""
     P, rank = size_and_rank(group)
-    bounds = [b for h in heads or head_layout(x.shape[2], 1, P)[0] for b in (h.start, h.stop)]  # flat, for the op
+    bounds = [b for h in heads for b in (h.start, h.stop)]  # [start0, stop0, start1, ...]: plain ints for the op
     return x if P == 1 else _exchange(x, bounds, True, group.group_name, rank, "forward")
 
 
-def heads_to_seq(x, group, heads=None):
-    """[B, S, H_r, D] -> [B, S/P, H, D]: the inverse of seq_to_heads, given the same heads (without them, H/P on
-    every rank). A head that several ranks held comes back as the sum of theirs (a shared kv head's gradient)."""
+def heads_to_seq(x, group, heads):
+    """[B, S, H_r, D] -> [B, S/P, H, D]: the inverse of seq_to_heads, with the same heads. A head that several ranks
+    held comes back as the sum of theirs (a shared kv head's gradient)."""
     P, rank = size_and_rank(group)
-    bounds = [b for h in heads or head_layout(x.shape[2] * P, 1, P)[0] for b in (h.start, h.stop)]
+    bounds = [b for h in heads for b in (h.start, h.stop)]
     return x if P == 1 else _exchange(x, bounds, False, group.group_name, rank, "forward")
 
 
@@ -283,20 +296,6 @@ def check_shards(x, group=None):
                          f"rank; each must hold S/P tokens of the same batch (shard_for_sp pads S to a multiple of P)")
 
 
-def check_inputs(q, k, v, group):
-    """ValueError on every rank unless every rank passes the same q [B, S/P, Hq, D], k [B, S/P, Hkv, D] and v [B,
-    S/P, Hkv, Dv] of one float dtype. The exchange assumes it: a mismatch would abort or hang the collective."""
-    dtypes = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
-    fit = (q.dim() == k.dim() == v.dim() == 4 and q.shape[:2] == k.shape[:2] == v.shape[:2] and k.shape[2] == v.shape[2]
-           and q.shape[3] == k.shape[3] and q.dtype == k.dtype == v.dtype and q.dtype in dtypes)
-    mine = [*q.shape, *k.shape[2:], v.shape[3], dtypes.index(q.dtype)] if fit else [-1] * 8  # -1: unfit
-    every = _every_rank(mine, q.device, group)
-    if len(set(every)) > 1 or not fit:  # every rank gathered the same list, so every rank raises
-        raise ValueError(f"ulysses_attention: q, k, v differ between the ranks or do not fit together ([B, S/P, Hq, "
-                         f"D, Hkv, Dk, Dv, dtype] by rank: {every}); want q [B, S/P, Hq, D], k [B, S/P, Hkv, D], v [B, "
-                         f"S/P, Hkv, Dv] of one float dtype, alike on every rank")
-
-
 def _every_rank(numbers, device, group):
     """Every rank's list of numbers, as tuples in rank order (one all-gather)."""
     P = size_and_rank(group)[0]
@@ -330,18 +329,18 @@ def _count(direction, sent_bytes):
 
 
 def all_to_all_bytes(heads, rank, head_bytes):
-    """(seq_to_heads, heads_to_seq): the bytes rank `rank` sends in each, for a tensor cut by `heads` with
-    head_bytes = B * S/P * D * element size. seq_to_heads sends my tokens of the other ranks' heads (a kv head that
-    goes to several ranks counts once for each); heads_to_seq sends my heads of the other ranks' tokens."""
+    """(bytes seq_to_heads sends, bytes heads_to_seq sends) from rank `rank`, for a tensor cut by `heads`;
+    head_bytes: one head at one rank's tokens, B * S/P * D * element size. seq_to_heads sends my tokens of the other
+    ranks' heads (a kv head that goes to several ranks counts once for each); heads_to_seq sends my heads of the
+    other ranks' tokens."""
     return (head_bytes * sum(len(h) for j, h in enumerate(heads) if j != rank),
             head_bytes * (len(heads) - 1) * len(heads[rank]))
 
 
 @contextmanager
 def _gloo_lets_go(*tensors):
-    """Around a collective on CPU: once it returns, wait (a second at most) until gloo's worker thread has let go of
-    the tensors: were it to free a tensor's last reference as the script exits, it would need the interpreter lock,
-    and the process would abort."""
+    """CPU only: after the collective, wait up to a second until gloo's worker thread drops its references to these
+    tensors. Otherwise it may free one as the script exits, without the interpreter lock, and the process aborts."""
     holders = lambda: [n for t in tensors for n in (t._use_count(), sys.getrefcount(t))]  # counted alike each time
     before = holders()
     yield
