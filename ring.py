@@ -137,8 +137,8 @@ def _ring_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, l
             if step < R - 1:
                 kv = arrived(*incoming, q.device)
         dk, dv = arrived(*accumulator, q.device).transpose(2, 3)  # my own block's, every rank's term: (B, L, Hkv, D)
-    dk, dv = (t.to(q.dtype, copy=True, memory_format=torch.contiguous_format) for t in (dk, dv))  # own their memory
-    return dq.transpose(1, 2).to(q.dtype, copy=True, memory_format=torch.contiguous_format), dk, dv  # -> (B, L, Hq, D)
+    dq = dq.transpose(1, 2)  # (B, Hq, L, D) -> (B, L, Hq, D), a view
+    return tuple(t.to(q.dtype, copy=True, memory_format=torch.contiguous_format) for t in (dq, dk, dv))  # own memory
 
 
 def pass_on(x, group, phase):
