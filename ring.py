@@ -118,7 +118,7 @@ def _ring_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, l
     R, r = size_and_rank(group)
     kernel = block_kernel(q.device.type, q.dtype, q.shape[-1]) if fused else "tiles"
     with torch.autocast(q.device.type, enabled=False):
-        q, out, dout = (t.transpose(1, 2) for t in (q, out, dout))  # (B, L, Hq, D) -> (B, Hq, L, D), views
+        q, out, dout = (t.transpose(1, 2) for t in (q, out, dout.contiguous()))  # (B, Hq, L, D); dout laid as out
         dq = q.new_zeros(q.shape, dtype=torch.promote_types(q.dtype, torch.float32))  # (B, Hq, L, D)
         kv = torch.stack([k, v])  # (2, B, L, Hkv, D)
         for step in range(R):
@@ -311,13 +311,13 @@ def _cuda_forward(q, k, v, causal, scale, cudnn=False):
 
 
 def _cuda_backward(dout, q, k, v, out, lse, causal, scale, cudnn=False):
-    """Each reads the lse as CONTIGUOUS memory (a view of the ring's, zigzag's half rows, gives wrong gradients,
-    silently), and dout and out in q's dtype; cuDNN's with equal strides (PyTorch's own ring tripped that assert)."""
+    """Each reads the lse as CONTIGUOUS memory (a view, as zigzag's half rows, gives wrong gradients silently), dout
+    and out in q's dtype; cuDNN's, dout and out laid out as q as SDPA's are (its cached graph ignores their strides)."""
     no_rng = torch.zeros((), dtype=torch.int64, device=q.device)
     if cudnn and causal:
-        dout, out, lse = (t.contiguous() for t in (dout.to(q.dtype), out.to(q.dtype), lse.unsqueeze(-1)))  # lse 4-D
-        return aten._scaled_dot_product_cudnn_attention_backward(dout, q, k, v, out, lse, no_rng, no_rng, None, None,
-                                                                 None, q.shape[2], k.shape[2], 0.0, True, scale=scale)
+        return aten._scaled_dot_product_cudnn_attention_backward(dout, q, k, v, out, lse.unsqueeze(-1).contiguous(),
+                                                                 no_rng, no_rng, None, None, None, q.shape[2],
+                                                                 k.shape[2], 0.0, True, scale=scale)  # lse 4-D
     return aten._scaled_dot_product_flash_attention_backward(
         dout.to(q.dtype), q, k, v, out.to(q.dtype), lse.contiguous(), None, None, q.shape[2], k.shape[2], 0.0, causal,
         no_rng, no_rng, scale=scale)
