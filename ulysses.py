@@ -112,7 +112,7 @@ def kernel_kv_heads(n_head, n_kv_head, P, rank):
     query_heads, kv_heads = head_layout(n_head, n_kv_head, P)
     hq, hkv = len(query_heads[rank]), len(kv_heads[rank])
     uses = [h // (n_head // n_kv_head) - kv_heads[rank].start for h in query_heads[rank]]  # each query head's kv head
-    grouped = hq % hkv == 0 and uses == [i // (hq // hkv) for i in range(hq)]  # as the kernel would pair them
+    grouped = hq % hkv == 0 and uses == [i // (hq // hkv) for i in range(hq)]  # equal consecutive runs, as SDPA's
     return list(range(hkv)) if grouped else uses
 
 
@@ -159,8 +159,9 @@ def heads_to_seq(x, group, heads):
 @torch.library.custom_op("ulysses::exchange", mutates_args=())
 def _exchange(x: torch.Tensor, head_bounds: list[int], to_heads: bool, group_name: str, rank: int,
               direction: str) -> torch.Tensor:
-    """One all-to-all, an operator so that torch.compile traces through it unbroken. The group travels by name, the
-    heads as flat bounds [start0, stop0, start1, ...]; direction ("forward", "backward") is for the byte counts."""
+    """One all-to-all, an operator so that torch.compile traces through it unbroken. To heads, a rank sends uneven
+    pieces (rank j's heads at my tokens) and receives even ones (my heads at rank i's tokens); back, the mirror. The
+    group travels by name, the heads as flat bounds [start0, stop0, ...]; direction: "forward" or "backward" pass."""
     group = _resolve_process_group(group_name)
     heads = [range(a, b) for a, b in zip(head_bounds[::2], head_bounds[1::2])]  # heads[j]: rank j's, P of them
     if to_heads:  # x: (B, S/P, H, D), my tokens of every head
