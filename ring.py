@@ -47,9 +47,9 @@ aten = torch.ops.aten  # PyTorch's kernels by name (test_kernels.py puts CPU sta
 def ring_attention(q, k, v, group=None, layout=None, window=None, causal=True, scale=None, return_lse=False,
                    fused=True, position_ids=None, sinks=None):
     """Attention over a sequence split over the R ranks of `group` (None: this rank alone). q [B, L, Hq, D], k and v
-    [B, L, Hkv, D] -> [B, L, Hq, D] (and with return_lse the log-sum-exp [B, L, Hq]). layout: as the tokens were
-    sharded, "zigzag" (shard_for_ring), "contiguous", or [B, L], each token's position (shard_for_ring's token index
-    with a layout function). window: the last `window` tokens. position_ids [B, L]: 0 where a packed document
+    [B, L, Hkv, D], each in that order in memory -> [B, L, Hq, D] (and with return_lse the log-sum-exp [B, L, Hq]).
+    layout: as the tokens were sharded, "zigzag" (shard_for_ring), "contiguous", or [B, L], each token's position
+    (shard_for_ring's token index). window: the last `window` tokens. position_ids [B, L]: 0 where a packed document
     starts. sinks [Hq]: a logit per query head. fused=False: the einsum tiles alone. Compiles without documents."""
     R = size_and_rank(group)[0]
     given = torch.is_tensor(layout)  # each token's position, not a layout by name
@@ -312,7 +312,7 @@ def _cuda_forward(q, k, v, causal, scale, cudnn=False):
 
 def _cuda_backward(dout, q, k, v, out, lse, causal, scale, cudnn=False):
     """Each reads the lse as CONTIGUOUS memory (a view, as zigzag's half rows, gives wrong gradients silently), dout
-    and out in q's dtype; cuDNN's, dout and out laid out as q as SDPA's are (its cached graph ignores their strides)."""
+    and out in q's dtype; cuDNN's, dout and out laid out as q (PyTorch keys its cached graph on q, k, v's strides)."""
     no_rng = torch.zeros((), dtype=torch.int64, device=q.device)
     if cudnn and causal:
         return aten._scaled_dot_product_cudnn_attention_backward(dout, q, k, v, out, lse.unsqueeze(-1).contiguous(),

@@ -110,16 +110,23 @@ def cuda_cudnn_backward(grad_out, query, key, value, out, logsumexp, philox_seed
                         cum_seq_k, max_q, max_k, dropout_p, is_causal, *, scale=None):
     """Its backward reads logsumexp as contiguous [B, Hq, Lq, 1] memory (taken as flash's backward reads its own), and
     wants grad_out and out in the query's dtype with equal strides (PyTorch's own context-parallel ring tripped that
-    assert), laid out as the query (as SDPA hands them over; an H200 gave wrong gradients, silently, otherwise)."""
+    assert), laid out as the query: PyTorch caches cuDNN's graph by q, k and v's strides, and on an H200 a call whose
+    out and grad_out came in another layout than the graph's first got wrong gradients, silently."""
     cudnn_takes(query, key, value, is_causal)
-    need(grad_out.dtype == out.dtype == query.dtype and grad_out.stride() == out.stride()
-         and out.dim_order() == query.dim_order(), "grad_out and out in the query's dtype and layout, equal strides")
+    need(grad_out.dtype == out.dtype == query.dtype and layout(grad_out) == layout(out)
+         and [d for d, _ in layout(out)] == [d for d, _ in layout(query)],
+         "grad_out and out in the query's dtype and layout, with equal strides")
     need(logsumexp.dtype == torch.float32 and logsumexp.shape == (*query.shape[:3], 1) and logsumexp.is_contiguous(),
          f"lse [B, Hq, Lq, 1] float32 in contiguous memory, got {tuple(logsumexp.shape)} {logsumexp.stride()}")
     need(attn_bias is None and cum_seq_q is None and cum_seq_k is None and dropout_p == 0.0
          and (max_q, max_k) == (query.shape[2], key.shape[2]), "dense, no bias, no dropout")
     grads = cpu_attention_backward(grad_out, query, key, value, out, logsumexp[..., 0], is_causal, scale)
     return tuple(g.to(query.dtype) for g in grads)
+
+
+def layout(t):
+    """(dim, stride) of t's dims in memory order, outermost first; a dim of one element is never stepped: left out."""
+    return sorted(((d, t.stride(d)) for d in range(t.dim()) if t.shape[d] > 1), key=lambda ds: -ds[1])
 
 
 def cuda_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
@@ -520,11 +527,11 @@ def test_the_cudnn_pair_matches_float64_and_its_stand_in(dtype, D):
     """ring.py's cuDNN pair on this GPU (where block_kernel gives it a ring's blocks) on the blocks it takes, causal
     and square: of 100 keys (not a multiple of 128) and of 2. Inputs as the ring passes them: head-major views of rows
     of [B, S, heads, D] tensors, 4 query heads on 2 kv heads, out and the lse views of the ring's. Forward and backward
-    against float64 math, and against the same calls on CPU through the stand-in. Then the kernel as SDPA calls it, out
-    and dout laid out as q, right too: cuDNN keeps one graph for a shape and q, k, v's strides, built by its first
-    backward, whatever the strides of out and dout later (an H200: with a second layout, gradients off by 0.9 to 5
-    times their largest). And the op's own results as the stand-in returns them: 9, out in q's dtype [B, Hq, L, D] of
-    contiguous strides, lse [B, Hq, L, 1] float32."""
+    against float64 math, and against the same calls on CPU through the stand-in. Then the kernel called directly, out
+    and dout laid out as q as the ring passes them, right too: PyTorch caches cuDNN's graph for a shape and q, k, v's
+    strides at its first backward, whatever the strides of out and dout later (an H200: with a second layout,
+    gradients off by 0.9 to 5 times their largest). And the op's own results as the stand-in returns them: 9, out in
+    q's dtype [B, Hq, L, D] of contiguous strides, lse [B, Hq, L, 1] float32."""
     skip_unless_cudnn(dtype, D)
     forward, backward = ring.FUSED["cudnn"]
     g = torch.Generator().manual_seed(D)
@@ -541,7 +548,7 @@ def test_the_cudnn_pair_matches_float64_and_its_stand_in(dtype, D):
 
         got = run("cuda")
         want = block_reference(*(as_the_ring_passes(t.cuda(), 3, L) for t in bases), True, D ** -0.5)
-        q, k, v, dout = (as_the_ring_passes(t.cuda(), 3, L) for t in bases)  # then as SDPA calls it: out laid as q
+        q, k, v, dout = (as_the_ring_passes(t.cuda(), 3, L) for t in bases)  # then directly: out laid out as q
         aten, no_rng = torch.ops.aten, torch.zeros((), dtype=torch.int64, device="cuda")
         out, lse = aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, True, scale=D ** -0.5)[:2]
         out = as_the_ring_passes(torch.zeros_like(bases[0], device="cuda"), 3, L).copy_(out)  # dout's strides
@@ -583,9 +590,10 @@ def test_the_cudnn_kernel_on_the_blocks_the_ring_gives_flash(dtype, D):
         out, lse = aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, False, scale=scale)[:2]
         ring_lse = lse.new_full((2, 4, Lq + 4), float("nan"))
         ring_lse[:, :, 2:2 + Lq] = lse[..., 0]
+        ring_out = as_the_ring_passes(torch.zeros(2, Lq + 5, 4, D, dtype=dtype, device="cuda"), 3, Lq).copy_(out)
         grads = aten._scaled_dot_product_cudnn_attention_backward(
-            dout.contiguous(), q, k, v, out.contiguous(), ring_lse[:, :, 2:2 + Lq].unsqueeze(-1).contiguous(), no_rng,
-            no_rng, None, None, None, Lq, Lk, 0.0, False, scale=scale)
+            dout, q, k, v, ring_out, ring_lse[:, :, 2:2 + Lq].unsqueeze(-1).contiguous(), no_rng, no_rng, None, None,
+            None, Lq, Lk, 0.0, False, scale=scale)
         want = block_reference(q, k, v, dout, False, scale)
         assert relative(out, want[0]) < tolerance(dtype) and (lse[..., 0].double() - want[1]).abs().max() < 1e-4
         errors = [relative(got, w) for got, w in zip(grads, want[2:])]  # dq, dk, dv
