@@ -552,9 +552,9 @@ def test_the_cudnn_pair_matches_float64_and_its_stand_in(dtype, D):
         aten, no_rng = torch.ops.aten, torch.zeros((), dtype=torch.int64, device="cuda")
         out, lse = aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, True, scale=D ** -0.5)[:2]
         out = as_the_ring_passes(torch.zeros_like(bases[0], device="cuda"), 3, L).copy_(out)  # dout's strides
-        sdpa = aten._scaled_dot_product_cudnn_attention_backward(dout, q, k, v, out, lse, no_rng, no_rng, None, None,
-                                                                 None, L, L, 0.0, True, scale=D ** -0.5)
-        assert max(relative(mine, w) for mine, w in zip(sdpa, want[2:])) < tolerance(dtype), L
+        direct = aten._scaled_dot_product_cudnn_attention_backward(dout, q, k, v, out, lse, no_rng, no_rng, None, None,
+                                                                   None, L, L, 0.0, True, scale=D ** -0.5)
+        assert max(relative(mine, w) for mine, w in zip(direct, want[2:])) < tolerance(dtype), L
         with pytest.MonkeyPatch.context() as patch:
             on_cuda(patch.setattr, ring.cuda_gpu())
             stand_in = run("cpu")

@@ -159,8 +159,8 @@ def heads_to_seq(x, group, heads):
 @torch.library.custom_op("ulysses::exchange", mutates_args=())
 def _exchange(x: torch.Tensor, head_bounds: list[int], to_heads: bool, group_name: str, rank: int,
               direction: str) -> torch.Tensor:
-    """One all-to-all, an operator so that torch.compile traces through it unbroken. To heads, a rank sends uneven
-    pieces (rank j's heads at my tokens) and receives even ones (my heads at rank i's tokens); back, the mirror. The
+    """One all-to-all, an operator so that torch.compile traces through it unbroken. To heads, I send uneven pieces
+    (rank j's heads at my tokens) and receive even ones (my heads at rank i's tokens); back, the mirror. The
     group travels by name, the heads as flat bounds [start0, stop0, ...]; direction: "forward" or "backward" pass."""
     group = _resolve_process_group(group_name)
     heads = [range(a, b) for a, b in zip(head_bounds[::2], head_bounds[1::2])]  # heads[j]: rank j's, P of them
