@@ -19,7 +19,7 @@ The default data (data.py) is a copy task: random tokens followed by the same to
 scored. Under SP the copy lives on other ranks than the original, so the task cannot be learned unless attention
 really crosses the sequence shards.
 
-One optimizer step, on every rank of the dp x sp mesh. The code cites these step numbers; "rule N" is ulysses.py's.
+One optimizer step on the dp x sp mesh (sp = ring x ulysses), numbered as the code cites it; "rule N": ulysses.py.
   1. each DP rank draws its own micro-batches of full sequences; the sp ranks of an SP group draw the same ones
      (load_micro_batch);
   2. (rule 1) the labels are shifted by one before any sharding: the label at position i is the token at position

@@ -14,7 +14,7 @@ H_r: the query heads rank r holds, H/P when P divides H, else H // P or one more
 One attention layer makes four all-to-alls forward: q, k and v go to heads (one call each), the output comes back
 (one call). Backward makes the same four the other way. Let h = H*D and h_kv = H_kv*D, and let P divide both head
 counts. Each call keeps 1/P of its input and sends the other (P-1)/P: a local q of B * S/P * h elements sends
-B * S * h * (P-1)/P^2. So per layer each rank sends, in elements (`all_to_all_bytes`: any layout),
+B * S * h * (P-1)/P^2. So per layer each rank sends, in elements (uneven heads: `all_to_all_bytes`),
 
     forward:  B * S * (2*h + 2*h_kv) * (P-1) / P^2        backward: the same again
 
@@ -71,7 +71,7 @@ def ulysses_attention(q, k, v, group=None, attn_fn=None, check=True, sinks=None,
     q = seq_to_heads(q, group, query_heads)  # (B, S, hq, D)
     k, v = seq_to_heads(k, group, kv_heads), seq_to_heads(v, group, kv_heads)  # (B, S, hkv, D)
     kernel_kv = kernel_kv_heads(n_head, n_kv_head, P, rank)
-    if kernel_kv != list(range(len(kv_heads[rank]))):  # no grouped-query pairing: a kv head for each query head
+    if kernel_kv != list(range(len(kv_heads[rank]))):  # the kernel cannot pair them: one kv head a query head
         k, v = k[:, :, kernel_kv], v[:, :, kernel_kv]  # (B, S, hkv, D) -> (B, S, hq, D)
     return heads_to_seq(attn_fn(q, k, v, **attn_kwargs), group, query_heads)  # (B, S/P, Hq, D)
 
@@ -158,10 +158,10 @@ def heads_to_seq(x, group, heads):
 
 @torch.library.custom_op("ulysses::exchange", mutates_args=())
 def _exchange(x: torch.Tensor, head_bounds: list[int], to_heads: bool, group_name: str, rank: int,
-              direction: str) -> torch.Tensor:
+              counted_as: str) -> torch.Tensor:
     """One all-to-all, an operator so that torch.compile traces through it unbroken. To heads, I send uneven pieces
     (rank j's heads at my tokens) and receive even ones (my heads at rank i's tokens); back, the mirror. The
-    group travels by name, the heads as flat bounds [start0, stop0, ...]; direction: "forward" or "backward" pass."""
+    group travels by name, the heads as flat bounds [start0, stop0, ...]; counted_as: the pass it runs in."""
     group = _resolve_process_group(group_name)
     heads = [range(a, b) for a, b in zip(head_bounds[::2], head_bounds[1::2])]  # heads[j]: rank j's, P of them
     if to_heads:  # x: (B, S/P, H, D), my tokens of every head
@@ -173,7 +173,7 @@ def _exchange(x: torch.Tensor, head_bounds: list[int], to_heads: bool, group_nam
         received = x.new_empty(len(heads), B, S_local, len(heads[rank]), D)  # row i: my heads, at rank i's tokens
         with _gloo_lets_go(received, send):
             dist.all_to_all_single(received, send, None, sizes, group=group)
-        _count(direction, send.nbytes - received[rank].nbytes)  # my own block stays here
+        _count(counted_as, send.nbytes - received[rank].nbytes)  # my own block stays here
         return received.movedim(0, 1).flatten(1, 2)  # (P, B, S/P, H_r, D) -> (B, S, H_r, D), a copy unless B = 1
     # x: (B, S, H_r, D), all tokens of my heads
     send = x.unflatten(1, (len(heads), -1)).movedim(1, 0).contiguous()  # (P, B, S/P, H_r, D): row j, rank j's tokens
@@ -182,7 +182,7 @@ def _exchange(x: torch.Tensor, head_bounds: list[int], to_heads: bool, group_nam
     received = x.new_empty(sum(sizes))  # (sum(sizes),): flat, rank by rank
     with _gloo_lets_go(received, send):
         dist.all_to_all_single(received, send, sizes, None, group=group)
-    _count(direction, send.nbytes - send[rank].nbytes)  # my own block stays here
+    _count(counted_as, send.nbytes - send[rank].nbytes)  # my own block stays here
     pieces = [p.view(B, S_local, len(h), D) for p, h in zip(received.split(sizes), heads)]  # (B, S/P, H_i, D) each
     if all(a.stop == b.start for a, b in zip(heads, heads[1:])):  # every head from one rank: one copy joins them
         return torch.cat(pieces, dim=2)  # (B, S/P, H, D)
@@ -193,7 +193,7 @@ def _exchange(x: torch.Tensor, head_bounds: list[int], to_heads: bool, group_nam
 
 
 @_exchange.register_fake
-def _exchange_shapes(x, head_bounds, to_heads, group_name, rank, direction):
+def _exchange_shapes(x, head_bounds, to_heads, group_name, rank, counted_as):
     """What torch.compile sees: an empty output shaped and laid out as the exchange makes it, for `rank` (an argument:
     inductor caches code by its arguments, so each rank keeps its own shapes)."""
     heads = [range(a, b) for a, b in zip(head_bounds[::2], head_bounds[1::2])]
@@ -258,10 +258,10 @@ def sdpa_takes_groups(device_type, dtype, masked, head_dim):
 
 def shard_for_sp(input_ids, labels, position_ids, group=None):
     """Full sequences [B, S] -> this rank's [B, S_pad/P] input ids, labels, position ids and token index (where
-    each token sits in the padded sequence). labels come shifted (labels[:, i] is the token after input_ids[:, i],
-    or -100). Pads at the end to a multiple of P (input 0, label -100, positions counting on): nothing is dropped,
-    and causal attention keeps real tokens from seeing the padding. Positions are cut, never renumbered.
-    group=None: one rank. (ring.shard_for_ring lays tokens out for a ring.)"""
+    each token sits in the padded sequence; only packed documents under a ring read it). labels come shifted
+    (labels[:, i] is the token after input_ids[:, i], or -100). Pads at the end to a multiple of P (input 0, label
+    -100, positions counting on): nothing is dropped, and a causal kernel keeps real tokens from seeing the padding.
+    Positions are cut, never renumbered. group=None: one rank. (ring.shard_for_ring lays tokens out for a ring.)"""
     if input_ids.dim() != 2 or labels.shape != input_ids.shape or position_ids.shape != input_ids.shape:
         raise ValueError(f"shard_for_sp: input_ids {tuple(input_ids.shape)}, labels {tuple(labels.shape)}, "
                          f"position_ids {tuple(position_ids.shape)}: want [B, S] each, labels already shifted")
@@ -324,8 +324,8 @@ def reset_all_to_all_stats():
     all_to_all_stats.update(forward={"calls": 0, "bytes": 0}, backward={"calls": 0, "bytes": 0})
 
 
-def _count(direction, sent_bytes):
-    counts = all_to_all_stats[direction]
+def _count(counted_as, sent_bytes):
+    counts = all_to_all_stats[counted_as]
     counts.update(calls=counts["calls"] + 1, bytes=counts["bytes"] + sent_bytes)
 
 
@@ -342,7 +342,7 @@ def all_to_all_bytes(heads, rank, head_bytes):
 def _gloo_lets_go(*tensors):
     """CPU only: after the collective, wait up to a second until gloo's worker thread drops its references to these
     tensors. Otherwise it may free one as the script exits, without the interpreter lock, and the process aborts."""
-    holders = lambda: [n for t in tensors for n in (t._use_count(), sys.getrefcount(t))]  # counted alike each time
+    holders = lambda: [n for t in tensors for n in (t._use_count(), sys.getrefcount(t))]  # taken alike before and after
     before = holders()
     yield
     deadline = time.monotonic() + 1.0
