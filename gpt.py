@@ -8,7 +8,7 @@ nothing else of SP: it passes the SP group to the all-to-alls, and RoPE rotates 
 
 A layer is softmax attention or, in hybrid models (Qwen3-Next: three Gated DeltaNet layers to one softmax layer),
 Gated DeltaNet, a linear attention with a recurrent state (deltanet.py). The MLP is GPT-2's (GELU) or Llama's
-(SwiGLU); `PRESETS` names real shapes. The file reads config, RoPE, attention, MLP, block, kernels, GPT.
+(SwiGLU); `PRESETS` names real shapes. The file reads config, RoPE, attention, MLP, norm, block, head, kernels, GPT.
 """
 
 from contextlib import nullcontext
@@ -43,7 +43,7 @@ class GPTConfig(DeltaNetConfig):  # Gated DeltaNet's settings, from deltanet.py,
     layer_pattern: str = "a"  # layer i is layer_pattern[i % len]: a = softmax attention, d = Gated DeltaNet
     # How to compute, not what: these change memory and time, never the result.
     tiles: int = 1  # > 1: MLP and loss run over this many sequence tiles (tiled.py), never the full activation
-    loss_tiles: int = 0  # the loss's own tile count (its logits are vocab/h times the MLP's input a token); 0: tiles
+    loss_tiles: int = 0  # the loss's own tile count (a token's logits are vocab wide, the MLP's I); 0: tiles
     recompute: bool = False  # keep only each block's input; recompute the block in backward
     offload: bool = False  # with recompute, on a GPU: keep those block inputs in host memory until backward
 
@@ -96,14 +96,14 @@ class Attention(nn.Module):
     def forward(self, x, cos, sin, attend):
         B, S_local, _ = x.shape  # S_local = S/P: this rank's tokens
         qkv = self.qkv(x).view(B, S_local, -1, self.head_dim)  # (B, S/P, n_head + 2 n_kv_head, D)
-        q, k, v = qkv.split([self.n_head, self.n_kv_head, self.n_kv_head], dim=2)
+        q, k, v = qkv.split([self.n_head, self.n_kv_head, self.n_kv_head], dim=2)  # (B, S/P, heads, D) each
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # rotated by their global positions
         # GPT.forward checks once that every rank holds alike shards, so the layer need not
         y = ulysses_attention(q, k, v, self.sp_group, attend, check=False, sinks=self.sinks)  # (B, S/P, n_head, D)
         return self.proj(y.flatten(2))  # (B, S/P, n_embd)
 
 
-def mlp(x, fc_weight, proj_weight):
+def gelu_mlp(x, fc_weight, proj_weight):  # s: the tokens (a tile's under tiled.py); I: the hidden size
     return F.linear(F.gelu(F.linear(x, fc_weight)), proj_weight)  # (B, s, h) -> (B, s, I) -> (B, s, h)
 
 
@@ -123,12 +123,12 @@ class MLP(nn.Module):
         else:
             self.fc = nn.Linear(h, I, bias=False)
         self.proj = nn.Linear(I, h, bias=False)
-        self.fn = swiglu_mlp if cfg.mlp == "swiglu" else mlp
-        self.layers = [self.gate, self.up, self.proj] if cfg.mlp == "swiglu" else [self.fc, self.proj]  # fn's order
+        self.fn = swiglu_mlp if cfg.mlp == "swiglu" else gelu_mlp
+        self.linears = [self.gate, self.up, self.proj] if cfg.mlp == "swiglu" else [self.fc, self.proj]  # fn's order
         self.tiles = cfg.tiles
 
     def forward(self, x):
-        weights = [layer.weight for layer in self.layers]  # read now: ZeRO-3 puts its gathered views there
+        weights = [linear.weight for linear in self.linears]  # read each call: ZeRO-3 puts its gathered views there
         return tiled_mlp(self.fn, x, weights, self.tiles) if self.tiles > 1 else self.fn(x, *weights)
 
 
@@ -183,16 +183,16 @@ class Head(nn.Module):
 
 
 def layer_kernels(cfg, sp_group=None, ring_group=None):
-    """What each kind of layer computes, chosen once, where the model is built: kernels(position_ids, packed,
-    token_index) -> {"a": softmax attention's attn_fn, "d": Gated DeltaNet's} for a batch, whose packed documents
-    need the full sequence's starts, and a ring its tokens' layout (shard_for_ring's token_index)."""
-    ring, window = size_and_rank(ring_group)[0] > 1, cfg.window or None
+    """What each kind of layer computes, chosen once, where the model is built. Returns kernels(position_ids, packed,
+    token_index) -> {"a": the attn_fn of softmax layers, "d": Gated DeltaNet's function}, called once a batch: packed
+    documents need the gathered position ids (where documents start), a ring over them its tokens' token_index."""
+    ring, window = size_and_rank(ring_group)[0] > 1, cfg.window or None  # ring: whether there is one
     if ring and "d" in cfg.layer_pattern and cfg.gdn_parallel == "ulysses":
         raise ValueError("gdn_parallel='ulysses' runs a Gated DeltaNet layer on its Ulysses group alone, which a ring "
                          "splits; use gdn_parallel='context' with a ring, or no ring")
 
     def kernels(position_ids, packed, token_index):
-        full = gather_sequence(position_ids, sp_group) if packed else None  # (B, U S_local): where documents start
+        full = gather_sequence(position_ids, sp_group) if packed else None  # (B, S_local x Ulysses ranks)
         if ring or cfg.sinks:  # the ring's kernel takes sinks: with sinks and no ring, a ring of one rank
             layout = gather_sequence(token_index, sp_group) if packed and ring and token_index is not None else "zigzag"
             if "d" in cfg.layer_pattern and torch.is_tensor(layout):  # their state passes on in zigzag order
@@ -202,7 +202,7 @@ def layer_kernels(cfg, sp_group=None, ring_group=None):
             attend = partial(document_attention, position_ids=full, window=window)
         else:
             attend = partial(sliding_window_attention, window=window) if window else causal_attention
-        starts = None if not packed else position_ids == 0 if cfg.gdn_parallel == "context" else full == 0
+        starts = (position_ids if cfg.gdn_parallel == "context" else full) == 0 if packed else None  # mine, or gathered
         return {"a": attend, "d": partial(gated_delta_net, starts=starts)}
     return kernels
 
@@ -230,9 +230,9 @@ class GPT(nn.Module):
         return [self.embed, *self.blocks, self.head]
 
     def forward(self, idx, position_ids, labels=None, packed=False, token_index=None):
-        """idx, position_ids, labels: [B, S_local], this rank's tokens. position_ids: in the full sequence, or with
-        packed=True in each document (0 where one starts). token_index: each token's place in the sequence
-        (shard_for_ring's), a ring's layout over packed documents (else zigzag)."""
+        """idx, position_ids, labels: [B, S_local], this rank's tokens; position_ids in the full sequence, or with
+        packed=True in each document (0 where one starts); token_index: shard_for_ring's, a ring's layout over packed
+        documents (else zigzag). Returns logits [B, S_local, vocab], or with labels (loss sum, correct tokens)."""
         if position_ids.shape != idx.shape:  # RoPE would broadcast one against the other, or fail far from here
             raise ValueError(f"GPT.forward: idx {tuple(idx.shape)}, position_ids {tuple(position_ids.shape)}: want "
                              f"position_ids of idx's shape, [B, S_local]")

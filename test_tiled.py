@@ -36,8 +36,8 @@ def test_tiled_mlp_matches_untiled(S, n_tiles):
     x = torch.randn(2, S, 16, requires_grad=True)
     weights = [torch.randn(64, 16, requires_grad=True), torch.randn(16, 64, requires_grad=True)]
     grad_out = torch.randn(2, S, 16)
-    assert_all_close(_mlp_and_grads(lambda: tiled.tiled_mlp(gpt.mlp, x, weights, n_tiles), x, weights, grad_out),
-                     _mlp_and_grads(lambda: gpt.mlp(x, *weights), x, weights, grad_out))
+    assert_all_close(_mlp_and_grads(lambda: tiled.tiled_mlp(gpt.gelu_mlp, x, weights, n_tiles), x, weights, grad_out),
+                     _mlp_and_grads(lambda: gpt.gelu_mlp(x, *weights), x, weights, grad_out))
 
 
 @pytest.mark.parametrize("all_ignored", [False, True])
@@ -69,7 +69,7 @@ def test_tiled_keeps_only_its_input_and_sends_each_gradient_once():
         w.register_post_accumulate_grad_hook(lambda w, i=i: arrivals.__setitem__(i, arrivals[i] + 1))
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
-        out = tiled.tiled_mlp(gpt.mlp, x, weights, 4)
+        out = tiled.tiled_mlp(gpt.gelu_mlp, x, weights, 4)
     assert len(saved) == 1 and saved[0] is x  # not the [B, S, 4h] hidden layer
     out.sum().backward()
     assert arrivals == [1, 1]
@@ -84,7 +84,7 @@ def test_tiles_recompute_under_the_forward_autocast():
     weights = [(torch.randn(64, 16) / 4).bfloat16().requires_grad_(),
                (torch.randn(16, 64) / 8).bfloat16().requires_grad_()]
     results = []
-    for run in (lambda: gpt.mlp(x, *weights), lambda: tiled.tiled_mlp(gpt.mlp, x, weights, 4)):
+    for run in (lambda: gpt.gelu_mlp(x, *weights), lambda: tiled.tiled_mlp(gpt.gelu_mlp, x, weights, 4)):
         with torch.autocast("cpu", dtype=torch.bfloat16):
             out = run()  # (B, S, h) bf16
         out.float().pow(2).sum().backward()

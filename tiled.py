@@ -2,19 +2,20 @@
 Sequence-tiled compute with recomputation (ALST): run a per-token layer over a long sequence without ever
 holding its full-sequence intermediate activations.
 
-An MLP on S tokens makes two [B, S, 4h] tensors and autograd keeps both for backward; a language-model head
-makes [B, S, vocab] float32 logits, and cross-entropy keeps a copy of the same size. With Ulysses, S is the
-local S/P tokens, but at long context these are still the largest tensors of the step. Every token is computed
-independently in these layers, so we cut the sequence into T tiles and run the layer one tile at a time:
+An MLP on S tokens makes [B, S, I] tensors (I: its hidden size, 4h in GPT-2; two of them with GELU, three with
+SwiGLU) and autograd keeps them for backward; a language-model head makes [B, S, vocab] float32 logits, and
+cross-entropy keeps a copy of the same size. With Ulysses, S is the local S/P tokens, but at long context these
+are still the largest tensors of the step. Every token is computed independently in these layers, so we cut the
+sequence into T tiles and run the layer one tile at a time:
 
     x [B, S, h]    | tile 0 | tile 1 | tile 2 | tile 3 |      T = 4 tiles along dim 1
-    forward        each tile under no_grad -> its output is written out, its [B, S/T, 4h] is freed at once
+    forward        each tile under no_grad -> its output is written out, its [B, S/T, I] is freed at once
     between        only x is kept (it is alive anyway: it is the layer's input)
     backward       tile i is recomputed with grad, differentiated, and freed before tile i+1 starts
 
                       untiled                          tiled
-    kept for backward  x and two [B, S, 4h]             x alone
-    largest transient  [B, S, 4h]                       [B, S/T, 4h], one tile at a time
+    kept for backward  x and the [B, S, I]s             x alone
+    largest transient  [B, S, I]                        [B, S/T, I], one tile at a time
     cost                                                one more forward of every tile (the recomputation)
 
 Parameters are handed in explicitly: they are inputs of the autograd Function, and fn gets them as arguments.
@@ -25,14 +26,12 @@ once, not T times. (A hook added with register_hook, by contrast, also sees ever
 
 Every rank must run the same number of tiles: fn may run collectives (a module hook that gathers parameters
 runs once per tile, in forward and again in backward), and a rank that makes one call fewer hangs the group.
-The tile count therefore depends only on n_tiles and S = x.shape[1], as min(n_tiles, S); the default is
-ceil(S / h). Every rank holds the same padded length S/P and the same hidden size h, so every rank computes
-the same count.
+The tile count therefore depends only on n_tiles and S = x.shape[1], as min(n_tiles, S), and every rank holds
+the same padded length S/P. ALST picks tiles of about h tokens (n_tiles = ceil(S / h)), so that a tile's [B, h, I]
+is B times the size of the MLP's weight [I, h] at any sequence length.
 
 This file depends on torch alone: copy it into your own project.
 """
-
-import math
 
 import torch
 import torch.nn.functional as F
@@ -62,7 +61,7 @@ class _SequenceTiled(torch.autograd.Function):
         device = inputs[0].device.type  # backward runs outside any autocast: recompute under the forward's
         ctx.autocast = dict(device_type=device, enabled=torch.is_autocast_enabled(device),
                             dtype=torch.get_autocast_dtype(device))
-        ctx.save_for_backward(*inputs)  # the only tensors kept for backward
+        ctx.save_for_backward(*inputs)  # inputs alone: params stay on ctx, where no saved-tensor hook copies them
         with torch.no_grad():  # nothing computed inside a tile outlives the tile
             tile_outputs = [fn(*tile, *params) for tile in _split(inputs, n_tiles)]
         outputs = tuple(torch.cat(pieces, dim=1) for pieces in zip(*map(_as_tuple, tile_outputs)))  # each (B, S, ...)
@@ -72,8 +71,8 @@ class _SequenceTiled(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grad_outputs):
         inputs, params, n_tiles = ctx.saved_tensors, ctx.params, ctx.n_tiles
-        needs_grad = ctx.needs_input_grad[3:]  # one flag per input, then one per parameter
-        wanted = [j for j, need in enumerate(needs_grad) if need]
+        needs_grad = ctx.needs_input_grad[3:]  # past fn, n_tiles, n_inputs: one flag per input, then per parameter
+        wanted = [j for j, need in enumerate(needs_grad) if need]  # indices into [*inputs, *params]
         input_grads = [torch.zeros_like(x) if need else None for x, need in zip(inputs, needs_grad)]
         input_grad_tiles = [g.tensor_split(n_tiles, dim=1) if g is not None else None for g in input_grads]  # views
         param_grads = [None] * len(params)
@@ -122,20 +121,14 @@ def sequence_tiled_compute(fn, inputs, params, n_tiles):
     return _SequenceTiled.apply(fn, n_tiles, len(inputs), *inputs, *params)
 
 
-def default_tile_count(x):
-    """ALST's choice for the MLP: tiles of about h tokens (x [B, S, h]), so one tile's intermediate [B, h, 4h]
-    is B times the size of the fc weight [4h, h], at any sequence length."""
-    return math.ceil(x.shape[1] / x.shape[-1])
-
-
-def tiled_mlp(mlp_fn, x, params, n_tiles=None):
+def tiled_mlp(mlp_fn, x, params, n_tiles):
     """mlp_fn(x_tile, *params) over x [B, S, h] tile by tile -> [B, S, h], e.g.
     tiled_mlp(lambda t, fc, proj: F.linear(F.gelu(F.linear(t, fc)), proj), x, (fc_weight, proj_weight)).
-    Keeps x for backward instead of the MLP's [B, S, 4h] intermediates."""
-    return sequence_tiled_compute(mlp_fn, (x,), params, n_tiles or default_tile_count(x))
+    Keeps x for backward instead of the MLP's [B, S, I] intermediates."""
+    return sequence_tiled_compute(mlp_fn, (x,), params, n_tiles)
 
 
-def tiled_lm_loss(head_fn, x, labels, params, n_tiles=None):
+def tiled_lm_loss(head_fn, x, labels, params, n_tiles):
     """Cross-entropy of the language-model head without the full [B, S, vocab] logits.
 
     head_fn(x_tile, *params) -> logits [B, s, vocab] (e.g. final norm then lm_head, params their two weights).
@@ -143,8 +136,7 @@ def tiled_lm_loss(head_fn, x, labels, params, n_tiles=None):
     token cross-entropies (float32, or float64 for float64 logits) and the number of tokens whose argmax is the
     label, both over the labelled tokens only (a tile, or a rank, without labels adds 0). Kept for backward: x and
     labels, nothing of size vocab; the largest transients are one tile's logits and their gradient,
-    [B, S/T, vocab] each.
-    The default tile count is the MLP's rule, which bounds a tile's logits by B times the lm_head weight.
+    [B, S/T, vocab] each. Tiles of about h tokens bound a tile's logits by B times the lm_head weight.
     """
     def loss_and_correct(x_tile, labels_tile, *params):  # (B, s, h), (B, s)
         logits = at_least_float32(head_fn(x_tile, *params))  # (B, s, vocab)
@@ -152,8 +144,7 @@ def tiled_lm_loss(head_fn, x, labels, params, n_tiles=None):
         correct = logits.argmax(-1) == labels_tile  # (B, s); a label of -100 never matches
         return loss.view_as(labels_tile), correct  # (B, s), (B, s)
 
-    token_loss, correct = sequence_tiled_compute(loss_and_correct, (x, labels), params,
-                                                 n_tiles or default_tile_count(x))  # (B, S), (B, S)
+    token_loss, correct = sequence_tiled_compute(loss_and_correct, (x, labels), params, n_tiles)  # (B, S), (B, S)
     return token_loss.sum(), correct.sum()
 
 

@@ -13,12 +13,12 @@ state is 1/N of the model's too. Here N = 2:
     forward    all-gather embed | embed | free
                         all-gather block 0 | block 0 | free
                                     all-gather block 1 | block 1 | free  ...
-    backward   all-gather head | d head | reduce-scatter grad of head (SUM) into shard.grad | free
-                        all-gather block 1 | d block 1 | reduce-scatter | free
-                                    all-gather block 0 | d block 0 | reduce-scatter | free  ...
+    backward   all-gather head | head's backward | reduce-scatter grad of head (SUM) into shard.grad | free
+                        all-gather block 1 | block 1's backward | reduce-scatter | free
+                                    all-gather block 0 | block 0's backward | reduce-scatter | free  ...
 
-The all-gathers overlap: the one for the unit that runs next (forward: i+1, backward: i-1) starts as soon as
-unit i starts, and runs while unit i computes.
+The all-gathers overlap: the one for the unit that runs next (forward: i+1, backward: i-1) starts once unit i's
+own gather is done, just before unit i computes, and runs while it does.
 
 Per forward and backward every parameter is all-gathered twice and its gradient reduce-scattered once:
 3*(N-1)/N of the model sent per rank, 1.5x the all-reduce of plain data parallelism, for model state cut to 1/N.
@@ -33,10 +33,10 @@ when the unit's gradient is complete, and reduce-scatters it. Gradients are SUMM
 the loss is already divided by the valid-token count of the whole global batch, so the sum is the gradient.
 
 Offloaded (ZeRO3(..., offload_to=torch.device("cpu")), ALST's single-GPU setting): the float32 shards, their
-gradients and with them AdamW's state live in CPU memory, 16 bytes a parameter / N, and AdamW steps there. The
-GPU keeps no model state between steps, only the gathered units: a gather copies the shard in the compute dtype
-from a host buffer (pinned on CUDA, so the copy does not wait), which is refilled whenever the shard has changed;
-each reduced gradient goes to host memory at once.
+gradients and with them AdamW's state live in CPU memory, 16 bytes a parameter / N (2 more in the bf16 buffer
+below), and AdamW steps there. The GPU keeps no model state between steps, only the gathered units: a gather copies
+the shard in the compute dtype from a host buffer (pinned on CUDA, so the copy does not wait), which is refilled
+whenever the shard has changed; each reduced gradient goes to host memory at once.
 
     host      shard fp32 -> bf16 buffer          shard.grad fp32 <-+         AdamW (moments, step)
                                  | copy                             | copy
@@ -90,8 +90,10 @@ class ShardedUnit:
         for slot in self.slots:
             delattr(slot.module, slot.attr)  # the module keeps no parameter of its own from now on
         self.full = torch.empty(padded, dtype=compute_dtype or torch.float32, device=self.device, requires_grad=True)
-        self.staging = self.staged = None  # offloaded: the shard in the compute dtype, where copies to the device
-        if offload_to is not None:         # start, and the shard's version (its count of changes in place) it holds
+        # offloaded only: `staging`, the shard in the compute dtype in host memory, which gathers copy from; `staged`,
+        # the shard's version (its count of in-place changes) that staging holds
+        self.staging = self.staged = None
+        if offload_to is not None:
             self.staging = torch.empty(shard.shape, dtype=self.full.dtype, device=offload_to,
                                        pin_memory=self.device.type == "cuda")
         # Collectives write into `full.data`, an alias autograd does not track: writing into `full` itself would be
@@ -123,8 +125,10 @@ class ShardedUnit:
         the host buffer, which is refilled first if the shard has changed since (the optimizer, a checkpoint)."""
         if self.staging is None:
             return self.shard.detach().to(self.full.dtype)
-        if self.staged != self.shard._version:  # no copy out of it is still running: the optimizer stepped after
-            self.staging.copy_(self.shard.detach())  # the gradients' copies to the host, which waited for the GPU
+        # refill only if the shard changed. No copy out of staging can still be running then: the optimizer
+        # stepped after backward's gradient copies to the host, and those waited for the GPU
+        if self.staged != self.shard._version:
+            self.staging.copy_(self.shard.detach())
             self.staged = self.shard._version
         return self.staging.to(self.device, non_blocking=True)
 
@@ -141,7 +145,7 @@ class ShardedUnit:
         """Sum this unit's gradient over the ranks; each rank adds its slice to its shard.grad."""
         grad = self.full.grad.float()  # (padded,); float32, as summing N low-precision gradients loses bits
         self.full.grad = None
-        reduced = torch.empty(self.shard.shape, device=self.device)  # (padded/N,)
+        reduced = torch.empty(self.shard.shape, dtype=torch.float32, device=self.device)  # (padded/N,)
         reduce_scatter(reduced, grad, op=dist.ReduceOp.SUM, group=self.group)
         reduced = reduced.to(self.shard.device)  # offloaded: to host memory, beside the shard
         if self.shard.grad is None:

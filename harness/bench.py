@@ -546,7 +546,7 @@ def tiled(args):
         return F.linear(t, head)
 
     def mlp(T):
-        return gpt.mlp(x, fc, proj) if T == 1 else tiled_mlp(gpt.mlp, x, (fc, proj), T)
+        return gpt.gelu_mlp(x, fc, proj) if T == 1 else tiled_mlp(gpt.gelu_mlp, x, (fc, proj), T)
 
     def loss(T):
         if T == 1:
