@@ -2,7 +2,7 @@
 Sequence-tiled compute with recomputation (ALST): run a per-token layer over a long sequence without ever
 holding its full-sequence intermediate activations.
 
-An MLP on S tokens makes [B, S, I] tensors (I: its hidden size, 4h in GPT-2; two of them with GELU, three with
+An MLP on S tokens makes [B, S, I] tensors (I: its hidden size, 4h in GPT-2; two of them with GELU, four with
 SwiGLU) and autograd keeps them for backward; a language-model head makes [B, S, vocab] float32 logits, and
 cross-entropy keeps a copy of the same size. With Ulysses, S is the local S/P tokens, but at long context these
 are still the largest tensors of the step. Every token is computed independently in these layers, so we cut the
@@ -123,7 +123,7 @@ def sequence_tiled_compute(fn, inputs, params, n_tiles):
 
 def tiled_mlp(mlp_fn, x, params, n_tiles):
     """mlp_fn(x_tile, *params) over x [B, S, h] tile by tile -> [B, S, h], e.g.
-    tiled_mlp(lambda t, fc, proj: F.linear(F.gelu(F.linear(t, fc)), proj), x, (fc_weight, proj_weight)).
+    tiled_mlp(lambda t, fc, proj: F.linear(F.gelu(F.linear(t, fc)), proj), x, (fc_weight, proj_weight), 4).
     Keeps x for backward instead of the MLP's [B, S, I] intermediates."""
     return sequence_tiled_compute(mlp_fn, (x,), params, n_tiles)
 

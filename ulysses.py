@@ -257,11 +257,11 @@ def sdpa_takes_groups(device_type, dtype, masked, head_dim):
 
 
 def shard_for_sp(input_ids, labels, position_ids, group=None):
-    """Full sequences [B, S] -> this rank's [B, S_pad/P] input ids, labels, position ids and token index (where
-    each token sits in the padded sequence; only packed documents under a ring read it). labels come shifted
-    (labels[:, i] is the token after input_ids[:, i], or -100). Pads at the end to a multiple of P (input 0, label
-    -100, positions counting on): nothing is dropped, and a causal kernel keeps real tokens from seeing the padding.
-    Positions are cut, never renumbered. group=None: one rank. (ring.shard_for_ring lays tokens out for a ring.)"""
+    """Full sequences [B, S] -> this rank's [B, S_pad/P] input ids, labels, position ids and token index (where each
+    token sits in the padded sequence, as ring.shard_for_ring gives it; a model reads it for packed documents under
+    a ring). labels come shifted (labels[:, i] is the token after input_ids[:, i], or -100). Pads at the end to a
+    multiple of P (input 0, label -100, positions counting on): nothing is dropped, and a causal kernel keeps real
+    tokens from seeing the padding. Positions are cut, never renumbered. group=None: one rank."""
     if input_ids.dim() != 2 or labels.shape != input_ids.shape or position_ids.shape != input_ids.shape:
         raise ValueError(f"shard_for_sp: input_ids {tuple(input_ids.shape)}, labels {tuple(labels.shape)}, "
                          f"position_ids {tuple(position_ids.shape)}: want [B, S] each, labels already shifted")

@@ -33,7 +33,7 @@ when the unit's gradient is complete, and reduce-scatters it. Gradients are SUMM
 the loss is already divided by the valid-token count of the whole global batch, so the sum is the gradient.
 
 Offloaded (ZeRO3(..., offload_to=torch.device("cpu")), ALST's single-GPU setting): the float32 shards, their
-gradients and with them AdamW's state live in CPU memory, 16 bytes a parameter / N (2 more in the bf16 buffer
+gradients and with them AdamW's state live in CPU memory, 16 bytes a parameter / N (plus the compute-dtype buffer
 below), and AdamW steps there. The GPU keeps no model state between steps, only the gathered units: a gather copies
 the shard in the compute dtype from a host buffer (pinned on CUDA, so the copy does not wait), which is refilled
 whenever the shard has changed; each reduced gradient goes to host memory at once.
