@@ -71,7 +71,7 @@ def ulysses_attention(q, k, v, group=None, attn_fn=None, check=True, sinks=None,
     q = seq_to_heads(q, group, query_heads)  # (B, S, hq, D)
     k, v = seq_to_heads(k, group, kv_heads), seq_to_heads(v, group, kv_heads)  # (B, S, hkv, D)
     kernel_kv = kernel_kv_heads(n_head, n_kv_head, P, rank)
-    if kernel_kv != list(range(len(kv_heads[rank]))):  # the kernel cannot pair them: one kv head a query head
+    if kernel_kv != list(range(len(kv_heads[rank]))):  # not SDPA's pairing (kernel_kv_heads): one kv head a query head
         k, v = k[:, :, kernel_kv], v[:, :, kernel_kv]  # (B, S, hkv, D) -> (B, S, hq, D)
     return heads_to_seq(attn_fn(q, k, v, **attn_kwargs), group, query_heads)  # (B, S/P, Hq, D)
 
@@ -172,7 +172,7 @@ def _exchange(x: torch.Tensor, head_bounds: list[int], to_heads: bool, group_nam
             block.view(B, S_local, len(h), D).copy_(x[:, :, h.start:h.stop])
         received = x.new_empty(len(heads), B, S_local, len(heads[rank]), D)  # row i: my heads, at rank i's tokens
         with _gloo_lets_go(received, send):
-            dist.all_to_all_single(received, send, None, sizes, group=group)
+            dist.all_to_all_single(received, send, input_split_sizes=sizes, group=group)
         _count(counted_as, send.nbytes - received[rank].nbytes)  # my own block stays here
         return received.movedim(0, 1).flatten(1, 2)  # (P, B, S/P, H_r, D) -> (B, S, H_r, D), a copy unless B = 1
     # x: (B, S, H_r, D), all tokens of my heads
@@ -181,7 +181,7 @@ def _exchange(x: torch.Tensor, head_bounds: list[int], to_heads: bool, group_nam
     sizes = [B * S_local * len(h) * D for h in heads]  # from rank i: its heads, at my tokens
     received = x.new_empty(sum(sizes))  # (sum(sizes),): flat, rank by rank
     with _gloo_lets_go(received, send):
-        dist.all_to_all_single(received, send, sizes, None, group=group)
+        dist.all_to_all_single(received, send, output_split_sizes=sizes, group=group)
     _count(counted_as, send.nbytes - send[rank].nbytes)  # my own block stays here
     pieces = [p.view(B, S_local, len(h), D) for p, h in zip(received.split(sizes), heads)]  # (B, S/P, H_i, D) each
     if all(a.stop == b.start for a, b in zip(heads, heads[1:])):  # every head from one rank: one copy joins them
