@@ -8,14 +8,15 @@ each needs to know where the documents of the sequence begin:
   - Ulysses: after the all-to-all a rank holds the whole sequence for its heads, so it gathers the sequence's
     position ids once (`gather_sequence`) and runs `document_attention` on it:
         ulysses_attention(q, k, v, group, document_attention, position_ids=gather_sequence(position_ids, group))
-  - a ring: ring.ring_attention(..., position_ids=...) gathers them itself and attends block by block, each run of
-    a document's queries to the runs of its keys.
+  - a ring: ring.ring_attention(..., position_ids=...) gathers them over the ring itself and attends block by
+    block, each run of a document's queries to the runs of its keys. Under Ulysses x Ring, the position ids and the
+    token index are first gathered over the Ulysses group (`gather_sequence`), as gpt.py does.
 
 Per-document balance. Zigzag balances the causal work of ONE sequence (`ring_work` counts each rank's). With
 packed documents the work is each document's own triangle, so a rank that holds the tail of a long document does
 much more than one that holds short ones. `document_layout` cuts each long document as zigzag cuts a sequence
-instead: 2R chunks, rank r taking chunks r and 2R-1-r of it, and deals what remains (short documents whole) to the
-least busy rank. A rank then holds any rising set of positions: ring.shard_for_ring(..., layout=document_layout)
+instead: 2R chunks, rank r taking chunks r and 2R-1-r of it, and deals what remains (short documents whole where
+they fit) to the least busy rank. A rank then holds any rising set of positions: ring.shard_for_ring(..., layout=document_layout)
 returns each token's position (its token index), and ring_attention takes them as the layout.
 
     document    0 0 0 0 0 0 0 0 0 0 0 0 1 1 1 1     R = 2, every document cut (MIN_CHUNK = 1); each token's rank:
@@ -69,8 +70,9 @@ def document_bounds(starts):
 
 
 def ring_work(R, L, layout, window=None):
-    """Attention work per ring rank in a layout by name ("zigzag", "contiguous"): the query-key pairs of each block's
-    cut (ring.cut) over the R steps. A list of R numbers; zigzag makes them equal for causal attention."""
+    """Attention work per ring rank in a layout by name ("zigzag", "contiguous"): queries x keys of each block's cut
+    (ring.cut, the rectangle a kernel computes, masked pairs included) over the R steps. A list of R numbers; zigzag
+    makes them equal for causal attention."""
     def pairs(mine, theirs):
         part = cut(*key_ranges(token_index(layout, mine, R, L), token_index(layout, theirs, R, L), window))
         return 0 if part is None else (part[0].stop - part[0].start) * (part[1].stop - part[1].start)
@@ -81,7 +83,7 @@ MIN_CHUNK = 64  # tokens: a document is cut into 2R chunks only if each holds th
 
 
 def document_layout(position_ids, R):
-    """Each row of position_ids [B, S] (0 where a document starts, S a multiple of 2R) dealt to the R ranks of a
+    """Each row of position_ids [B, S] (0 where a document starts, S a multiple of R) dealt to the R ranks of a
     ring, S/R tokens each, so that each rank does about 1/R of every document's causal work. Returns [B, R, S/R]:
     the positions each rank holds, rising (ring.shard_for_ring gathers its tokens by them).
 
@@ -107,9 +109,10 @@ def document_layout(position_ids, R):
         work = [seen[t].sum().item() for t in taken]
         for run in sorted(rest, key=lambda run: -seen[run.start:run.stop].sum().item()):  # heaviest first
             while run:
-                fits = [r for r in range(R) if L - len(taken[r]) >= len(run)]
-                r = min(fits, key=work.__getitem__) if fits else max(range(R), key=lambda r: L - len(taken[r]))
-                part, run = run[:L - len(taken[r])], run[L - len(taken[r]):]
+                room = [L - len(t) for t in taken]  # free places on each rank
+                fits = [j for j in range(R) if room[j] >= len(run)]
+                r = min(fits, key=work.__getitem__) if fits else max(range(R), key=room.__getitem__)
+                part, run = run[:room[r]], run[room[r]:]
                 taken[r] += part
                 work[r] += seen[part.start:part.stop].sum().item()
         layout[b] = torch.tensor(taken).sort(1).values  # (R, L)
@@ -126,7 +129,7 @@ def keys_seen(positions):
 
 def document_work(position_ids, layout):
     """Causal attention work per ring rank with packed documents: the query-key pairs its queries see, summed over
-    the rows. position_ids [B, S]; layout [B, R, L], the positions each rank holds (document_layout's, or
-    ring.token_index's stacked). A list of R numbers."""
+    the rows. position_ids [B, S]; layout [B, R, L], the positions each rank holds (document_layout's, or each
+    rank's ring.token_index stacked and expanded to [B, R, L]). A list of R numbers."""
     seen = torch.stack([keys_seen(row) for row in position_ids])  # (B, S)
     return seen.gather(1, layout.flatten(1)).view(layout.shape).sum((0, 2)).tolist()

@@ -2,8 +2,8 @@
 Ring attention: causal attention over a sequence split across the R ranks of a ring. Each rank keeps its queries,
 with every head, while the keys and values travel. With ulysses.py: Ulysses x Ring (USP), more ranks than heads.
 
-Rank r holds L = S/R tokens. At each of R steps it attends its queries to the key/value block it holds, while it
-sends that block on to rank r+1 and receives rank r-1's. After R steps every query has met every key:
+Rank r holds L = S/R tokens. At each of R steps it attends its queries to the key/value block it holds; in all
+but the last it meanwhile sends that block to rank r+1 and receives rank r-1's. Then every query has met every key:
 
     step         0      1      2             kv_j: the key/value block of rank j (R = 3)
     rank 0     kv_0   kv_2   kv_1
@@ -15,8 +15,8 @@ log sum_k exp(score_k). Two results over disjoint keys combine exactly (`merge`)
 
     lse = log(exp(lse_a) + exp(lse_b))          o = (exp(lse_a) o_a + exp(lse_b) o_b) / exp(lse)
 
-Backward is a second ring: an accumulator for dk_j and dv_j travels with block j, each rank adds its queries' term,
-and after R hops it is home, complete. dq stays with the queries.
+Backward passes the blocks around again and, beside block j, an accumulator (float32) for dk_j and dv_j: each rank
+adds its queries' term, and after R hops it is home, complete. dq stays with the queries.
 
 Zigzag. With contiguous blocks rank 0's queries see one block and rank R-1's see R. Zigzag cuts the sequence into
 2R chunks and gives rank r chunks r and 2R-1-r, one early and one late, so every rank does the same causal work
@@ -27,10 +27,10 @@ form a ring. `shard_for_ring` cuts the batch for it, and attention is one line:
 
     ulysses_attention(q, k, v, ulysses_group, partial(ring_attention, group=ring_group, layout="zigzag"))
 
-Positions rise along every layout, so a query's keys in a block are one run (`key_ranges`): causal, in a window, in
-its document (documents.py). A fused kernel takes blocks that see every key, or causal ones; the einsum tiles, the
-readable reference, any other. A sink (gpt-oss: a logit per head that joins every softmax, no value) is one more
-block to the merge, after the last. The file reads down the call path and needs torch alone.
+Positions rise along every layout, so a query's keys in a block are one run (`key_ranges`), causal or in a window;
+packed documents are first cut into runs of one document (`meeting_runs`). A fused kernel takes blocks that see
+every key, or causal ones; the einsum tiles, the readable reference, any other. A sink (gpt-oss: a logit per head
+in every softmax, with no value) is one last block to merge. The file reads down the call path; torch alone.
 """
 
 from functools import partial
@@ -47,10 +47,10 @@ aten = torch.ops.aten  # PyTorch's kernels by name (test_kernels.py puts CPU sta
 def ring_attention(q, k, v, group=None, layout=None, window=None, causal=True, scale=None, return_lse=False,
                    fused=True, position_ids=None, sinks=None):
     """Attention over a sequence split over the R ranks of `group` (None: this rank alone). q [B, L, Hq, D], k and v
-    [B, L, Hkv, D], each in that order in memory -> [B, L, Hq, D] (and with return_lse the log-sum-exp [B, L, Hq]).
-    layout: as the tokens were sharded, "zigzag" (shard_for_ring), "contiguous", or [B, L], each token's position
-    (shard_for_ring's token index). window: the last `window` tokens. position_ids [B, L]: 0 where a packed document
-    starts. sinks [Hq]: a logit per query head. fused=False: the einsum tiles alone. Compiles without documents."""
+    [B, L, Hkv, D], each contiguous -> [B, L, Hq, D] (return_lse: also the log-sum-exp [B, L, Hq], float32 or wider,
+    no gradient). layout: as the tokens were sharded, "zigzag" (shard_for_ring), "contiguous", or [B, L], each
+    token's position (shard_for_ring's token index). window: the last `window` tokens, its own included. position_ids
+    [B, L]: 0 where a packed document starts. sinks [Hq]: a logit per query head. fused=False: the einsum tiles."""
     R = size_and_rank(group)[0]
     given = torch.is_tensor(layout)  # each token's position, not a layout by name
     if (R > 1 and not given and layout not in ("zigzag", "contiguous") or
@@ -61,24 +61,24 @@ def ring_attention(q, k, v, group=None, layout=None, window=None, causal=True, s
     if window and not causal:
         raise ValueError("a sliding window looks back from each query: use it with causal=True")
     if not torch.compiler.is_compiling():
-        check_same_inputs(q, k, v, sinks, group)  # one error on every rank, before any rank refuses alone
+        check_same_inputs(q, k, v, sinks, group)  # one error on every rank, before a check below refuses on one
     if R > 1 and layout == "zigzag" and q.shape[1] % 2:
         raise ValueError(f"{q.shape[1]} tokens on this rank: zigzag's two equal chunks need an even number")
     indices = (gather_ring(layout, group).cpu() if given else  # (R, B, L): every ring rank's positions, or (R, 1, L)
                torch.stack([token_index(layout if R > 1 else "contiguous", j, R, q.shape[1])[None] for j in range(R)]))
     documents = None
     if position_ids is not None:  # each position's document, counting where positions are 0: [B, S], in order
-        every = gather_ring(position_ids, group).cpu()  # (R, B, L): one all-gather
-        sequence = torch.empty_like(every.transpose(0, 1).flatten(1))  # (B, S)
-        sequence.scatter_(1, indices.expand_as(every).transpose(0, 1).flatten(1), every.transpose(0, 1).flatten(1))
+        every = gather_ring(position_ids, group).cpu()  # (R, B, L): one all-gather, the ranks' ids in rank order
+        at = indices.expand_as(every).transpose(0, 1).flatten(1)  # (B, R*L) = (B, S): where each of them sits
+        sequence = every.new_empty(at.shape).scatter_(1, at, every.transpose(0, 1).flatten(1))  # (B, S), in order
         documents = (sequence == 0).cumsum(1)  # (B, S)
     out, lse = _ring_forward(q, k, v, sinks, documents, indices, group.group_name if group else "", window, causal,
                              q.shape[-1] ** -0.5 if scale is None else scale, fused)
     return (out, lse.transpose(1, 2)) if return_lse else out  # lse (B, Hq, L) -> (B, L, Hq)
 
 
-# The ring as two operators (custom_op: one call each to torch.compile), the group by name. Inside: head-major views
-# [B, heads, L, D]; indices [R, B or 1, L], every rank's positions; documents [B, S], or None.
+# The ring as two operators (custom_op: one call each to torch.compile, one graph unless position_ids are given), the
+# group by name. Inside: head-major views [B, heads, L, D]; indices [R, B or 1, L]; documents [B, S], or None.
 
 
 @torch.library.custom_op("ring::attention", mutates_args=())
@@ -94,14 +94,14 @@ def _ring_forward(q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None, documen
         wide = torch.promote_types(q.dtype, torch.float32)
         out = q_heads.new_zeros(q_heads.shape, dtype=wide)  # (B, Hq, L, D); the first block merged passes through
         lse = q_heads.new_full(q_heads.shape[:-1], float("-inf"), dtype=wide)  # (B, Hq, L): no key yet
-        kv = torch.stack([k, v])  # (2, B, L, Hkv, D): one message a step, in the input dtype
-        for step in range(R):  # at step s this rank holds the block of rank r - s
+        kv = torch.stack([k, v])  # (2, B, L, Hkv, D): one message a step but the last, in the input dtype
+        for step in range(R):  # at step s this rank holds the block of rank (r - s) mod R
             if step < R - 1:
                 incoming = pass_on(kv, group, "forward")  # sent while this block is computed on
-            for batch, rows, _, lo, hi, block_k, block_v in _blocks(indices, r, (r - step) % R, kv, documents,
-                                                                    window, causal):
-                block_out, block_lse = block_attention(q_heads[batch, :, rows], block_k, block_v, lo, hi, scale, kernel)
-                merge(out[batch, :, rows], lse[batch, :, rows], block_out, block_lse)
+            for batch, queries, _, lo, hi, block_k, block_v in _blocks(indices, r, (r - step) % R, kv, documents,
+                                                                       window, causal):
+                o_b, lse_b = block_attention(q_heads[batch, :, queries], block_k, block_v, lo, hi, scale, kernel)
+                merge(out[batch, :, queries], lse[batch, :, queries], o_b, lse_b)
             if step < R - 1:
                 kv = arrived(*incoming, q.device)
         if sinks is not None:  # one more block, once per query, after all the others: lse = the sink, output 0
@@ -125,12 +125,12 @@ def _ring_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, l
             if step < R - 1:
                 incoming = pass_on(kv, group, "backward")
             dkv = dq.new_zeros(kv.transpose(2, 3).shape)  # (2, B, Hkv, L, D): this step's share of dk and dv
-            for batch, rows, cols, lo, hi, block_k, block_v in _blocks(indices, r, (r - step) % R, kv, documents,
-                                                                       window, causal):
-                block_dq, *block_dkv = block_gradients(q[batch, :, rows], block_k, block_v, out[batch, :, rows],
-                                                       lse[batch, :, rows], dout[batch, :, rows], lo, hi, scale, kernel)
-                dq[batch, :, rows] += block_dq
-                dkv[:, batch, :, cols] += torch.stack(block_dkv)  # (2, B, Hkv, cols, D)
+            for batch, queries, keys, lo, hi, block_k, block_v in _blocks(indices, r, (r - step) % R, kv, documents,
+                                                                          window, causal):
+                dq_b, *dkv_b = block_gradients(q[batch, :, queries], block_k, block_v, out[batch, :, queries],
+                                               lse[batch, :, queries], dout[batch, :, queries], lo, hi, scale, kernel)
+                dq[batch, :, queries] += dq_b
+                dkv[:, batch, :, keys] += torch.stack(dkv_b)  # (2, B or 1, Hkv, keys, D)
             if step > 0:  # what the ranks before me added to this block's accumulator
                 dkv += arrived(*accumulator, q.device)
             accumulator = pass_on(dkv, group, "backward") if R > 1 else (dkv, [])  # on towards home, after step R-1
@@ -159,17 +159,17 @@ def arrived(received, works, device):  # the block, on the device it goes on fro
     return received.to(device)
 
 
-def _blocks(indices, mine, theirs, kv, documents, window, causal):
-    """What rank `mine`'s queries need of rank `theirs`'s block kv [2, B, L, Hkv, D]: (batch, rows, cols: slices of
-    the batch, my queries, its keys; (lo, hi) within cols; its keys and values) each. With packed documents a row is
-    cut into runs of one document, so that without a window the fused kernel takes every piece."""
-    mine, theirs = indices[mine], indices[theirs]  # (B or 1, L) each: their positions
-    if documents is None:  # (batch, where my queries and their keys start in the blocks, their positions)
-        parts = [(slice(None), 0, 0, mine[0], theirs[0])]
+def _blocks(indices, q_rank, k_rank, kv, documents, window, causal):
+    """The pieces of rank k_rank's block kv [2, B, L, Hkv, D] that rank q_rank's queries see: (batch, queries, keys:
+    slices of the batch, the L queries, the L keys; lo, hi: query i sees keys[lo[i]:hi[i]]; k, v [B or 1, Hkv, keys,
+    D] views). With packed documents a piece pairs two runs of one document: without a window, a fused kernel's."""
+    q_pos, k_pos = indices[q_rank], indices[k_rank]  # (B or 1, L) each: their positions
+    if documents is None:  # (batch, where the queries and keys start in the blocks, their positions)
+        parts = [(slice(None), 0, 0, q_pos[0], k_pos[0])]
     else:
-        mine, theirs = (t.expand(len(documents), -1) for t in (mine, theirs))  # (B, L) each: every row's own
-        parts = [(slice(b, b + 1), queries.start, keys.start, mine[b, queries], theirs[b, keys])
-                 for b, row in enumerate(documents) for queries, keys in meeting_runs(mine[b], theirs[b], row)]
+        q_pos, k_pos = (t.expand(len(documents), -1) for t in (q_pos, k_pos))  # (B, L) each: every row's own
+        parts = [(slice(b, b + 1), queries.start, keys.start, q_pos[b, queries], k_pos[b, keys])
+                 for b, row in enumerate(documents) for queries, keys in meeting_runs(q_pos[b], k_pos[b], row)]
     for batch, q_start, k_start, q_index, k_index in parts:
         lo, hi = key_ranges(q_index, k_index, window, causal)
         if (part := cut(lo, hi)) is None:
@@ -177,7 +177,7 @@ def _blocks(indices, mine, theirs, kv, documents, window, causal):
         rows, cols = part  # within the run's queries and keys; then within the blocks
         queries = slice(q_start + rows.start, q_start + rows.stop)
         keys = slice(k_start + cols.start, k_start + cols.stop)
-        block_k, block_v = kv[:, batch, keys].transpose(2, 3)  # (B, Hkv, cols, D) each, views
+        block_k, block_v = kv[:, batch, keys].transpose(2, 3)  # (B or 1, Hkv, keys, D) each, views
         yield batch, queries, keys, lo[rows] - cols.start, hi[rows] - cols.start, block_k, block_v
 
 
@@ -225,8 +225,8 @@ def merge(out, lse, block_out, block_lse):
     """Fold one block's result into the running one, in place. logaddexp takes log(e^a + e^b) as max(a, b) +
     log(1 + e^-|a - b|): the larger passes exactly, and the rounding of a - b reaches only the small correction."""
     torch.logaddexp(lse, block_lse, out=lse)  # -inf where both are -inf
-    w = (block_lse - lse).exp_().nan_to_num_(0.0)  # e^lse_b / e^lse, the block's share; nan where both are -inf
-    out.lerp_(block_out, w[..., None])  # o_a + w (o_b - o_a)
+    w = (block_lse - lse).exp_().nan_to_num_(0.0)  # e^lse_b / e^lse, the block's share; 0 where both are -inf
+    out.lerp_(block_out, w[..., None])  # o_a + w (o_b - o_a) = (1 - w) o_a + w o_b, the file's formula
 
 
 def block_gradients(q, k, v, out, lse, dout, lo, hi, scale, kernel):
@@ -301,8 +301,8 @@ def _cpu_flash_backward(dout, q, k, v, out, lse, causal, scale):
 
 def _cuda_forward(q, k, v, causal, scale, cudnn=False):
     """PyTorch's CUDA flash kernel takes the last dim contiguous, fp16 or bf16 alike for q, k, v, a head size that is a
-    multiple of 8 up to 256 (SDPA pads; this call does not), Hq a multiple of Hkv. cuDNN's takes heads up to 128, two
-    keys or more (a causal block has), returns lse [B, Hq, Lq, 1], and runs causal blocks: a GPU held it to those."""
+    multiple of 8 up to 256 (SDPA pads; this call does not), Hq a multiple of Hkv. cuDNN's: heads up to 128, two keys
+    or more (a one-key block is "full"), lse [B, Hq, Lq, 1], causal blocks only (a GPU held it to those)."""
     if cudnn and causal:
         out, lse = aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, True, scale=scale)[:2]
         return out.float(), lse.squeeze(-1)  # lse (B, Hq, Lq, 1) -> (B, Hq, Lq)
@@ -345,7 +345,7 @@ def key_ranges(q_index, k_index, window=None, causal=True):
 
 
 def cut(lo, hi):
-    """(rows, cols): slices of the queries that see any key and of the keys they see; None when none sees any."""
+    """(rows, cols): the smallest slices holding every query that sees a key, and every key seen; None if none is."""
     rows = (hi > lo).nonzero().flatten()
     if len(rows) == 0:
         return None
@@ -370,7 +370,8 @@ def shard_for_ring(input_ids, labels, position_ids, ulysses_group, ring_group, l
     if R > 1 and layout is not None:
         every = layout(padded[2], R).cpu()  # (B, R, S_pad/R): every ring rank's positions
         if (every.diff(dim=-1) <= 0).any() or (every.flatten(1).sort(-1).values != torch.arange(S_pad)).any():
-            raise ValueError(f"layout: {layout.__name__} must give each ring rank rising positions, each one once")
+            raise ValueError(f"layout: {getattr(layout, '__name__', layout)} must give each ring rank rising "
+                             f"positions, each one once")
         index = every[:, r]  # (B, S_pad/R)
     else:
         index = token_index("zigzag" if R > 1 else "contiguous", r, R, S_pad // R).expand(B, -1)  # (B, S_pad/R)
@@ -385,8 +386,7 @@ ring_stats = {"forward": {"calls": 0, "bytes": 0}, "backward": {"calls": 0, "byt
 
 
 def reset_ring_stats():
-    for counts in ring_stats.values():
-        counts["calls"], counts["bytes"] = 0, 0
+    ring_stats.update(forward={"calls": 0, "bytes": 0}, backward={"calls": 0, "bytes": 0})
 
 
 def ring_bytes(R, kv_bytes, dkv_bytes):
@@ -438,7 +438,7 @@ def _keep_ring(ctx, inputs, output):
 
 
 def _ring_gradients(ctx, dout, _):
-    """dq, dk, dv by the backward ring. The sinks' gradient needs none: only the softmax's correction reaches a sink."""
+    """dq, dk, dv by the backward ring. The sinks' gradient needs no ring: only the softmax's correction reaches one."""
     q, k, v, out, lse, sinks, documents, indices = ctx.saved_tensors
     dq, dk, dv = _ring_backward(dout, q, k, v, out, lse, documents, indices, *ctx.options)
     if sinks is not None:
