@@ -36,8 +36,8 @@ One optimizer step on the dp x sp mesh (sp = ring x ulysses), numbered as the co
   6. (rule 4) backward; gradients are SUMMED over all dp x sp ranks (ZeRO-3 reduce-scatters with SUM). With step
      5 this is exactly the gradient one device would compute on the global batch: no 1/sp or 1/dp factor;
   7. clip by the global gradient norm; sum the loss and accuracy of the global batch for the log (a non-finite
-     loss stops the run here, before the update); AdamW updates this rank's shard; the next forward gathers
-     the new weights.
+     loss or gradient norm stops the run here, before the update); AdamW updates this rank's shard (all of the
+     model under --zero 0) at the step's learning rate (lr_at); the next forward gathers the new weights.
 A plain `python train.py` is a process group of one: the gradients' and the totals' all-reduces run there too (on
 one rank they copy); attention makes no all-to-all.
 """
@@ -92,10 +92,10 @@ def build(args, world_size, mesh, device, host=torch.device("cpu")):
     step i of this rank on its micro-batches (steps 1 to 7). host: where --offload and --offload-optimizer keep what
     they move off the device. memory.py runs it on fake tensors (memory.trace)."""
     torch.manual_seed(args.seed)  # every rank builds the same initial model
-    # the mesh is dp x ring x ulysses, row-major: a Ulysses group's ranks are consecutive (the fastest links). The
-    # ulysses group runs the all-to-alls; the ring group passes key/value blocks forward and dk/dv back; each checks
-    # its shards. The dp group sends nothing: its index picks a rank's samples. WORLD runs ZeRO-3's gathers and
-    # reduce-scatters (or --zero 0's all-reduce), the gradient norm, the token count and the totals
+    # the mesh is dp x ring x ulysses (sp = ring x ulysses: no group of its own), row-major: a Ulysses group's ranks are
+    # consecutive (the fastest links). The ulysses group runs the all-to-alls; the ring group passes key/value blocks
+    # forward and dk/dv back. The dp group sends nothing: its index picks a rank's samples. WORLD runs ZeRO-3's gathers
+    # and reduce-scatters (or --zero 0's all-reduce), the gradient norm, the token count and the totals.
     dp, sp_groups = world_size // args.sp, (mesh.get_group("ulysses"), mesh.get_group("ring"))
     model = GPT(launch.model_config(args), *sp_groups, host)
     if device.type != "cpu":  # built on the CPU, so that a GPU run starts from the numbers a CPU run does
@@ -176,7 +176,7 @@ def train_step(step, micro_batches, model, zero, optimizer, args):
 
 
 def lr_at(step, args):
-    """Linear warmup, then cosine decay to 10% of the peak. A function of the step: resuming needs no state."""
+    """Linear warmup, then cosine decay toward 10% of the peak. A function of the step: resuming needs no state."""
     if step < args.warmup:
         return args.lr * (step + 1) / args.warmup
     progress = (step - args.warmup) / max(1, args.steps - args.warmup)

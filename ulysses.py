@@ -12,9 +12,9 @@ every rank holds the WHOLE sequence for its share of the heads, runs any attenti
 H_r: the query heads rank r holds, H/P when P divides H, else H // P or one more; for k and v, the kv heads they use.
 
 One attention layer makes four all-to-alls forward: q, k and v go to heads (one call each), the output comes back
-(one call). Backward makes the same four the other way. Let h = H*D and h_kv = H_kv*D, and let P divide both head
-counts. Each call keeps 1/P of its input and sends the other (P-1)/P: a local q of B * S/P * h elements sends
-B * S * h * (P-1)/P^2. So per layer each rank sends, in elements (uneven heads: `all_to_all_bytes`),
+(one call). Backward makes the same four the other way. Let h = H*D and h_kv = H_kv*D, S be padded (rule 2), and P
+divide both head counts. Each call keeps 1/P of its input and sends the other (P-1)/P: a local q of B * S/P * h
+elements sends B * S * h * (P-1)/P^2. So per layer each rank sends, in elements (uneven heads: `all_to_all_bytes`),
 
     forward:  B * S * (2*h + 2*h_kv) * (P-1) / P^2        backward: the same again
 
@@ -48,12 +48,12 @@ from torch.distributed.distributed_c10d import _resolve_process_group  # a group
 
 
 def ulysses_attention(q, k, v, group=None, attn_fn=None, check=True, sinks=None, **attn_kwargs):
-    """Attention over the full sequence when each rank holds S/P tokens: q [B, S/P, Hq, D], k and v [B, S/P, Hkv,
-    D] -> [B, S/P, Hq, D]. attn_fn(q, k, v, **attn_kwargs) gets the full sequence of this rank's heads (head_layout):
-    q [B, S, hq, D], k and v [B, S, hkv, D], query head i using kv head i // (hq / hkv); default causal_attention.
-    ring.ring_attention over a ring group makes it Ulysses x Ring. group=None or of one rank: attn_fn alone.
-    check: first make sure every rank passes alike q, k and v (`check_inputs`; skipped while compiling).
-    sinks [Hq]: a learned logit per query head (gpt-oss), given to attn_fn for this rank's heads as sinks=...."""
+    """Attention over the full sequence when each rank holds S/P tokens: q [B, S/P, Hq, D], k and v [B, S/P, Hkv, D]
+    -> [B, S/P, Hq, D]. attn_fn(q, k, v, **attn_kwargs) gets the full sequence of this rank's heads (head_layout):
+    q [B, S, hq, D]; k and v [B, S, hkv, D], query head i using kv head i // (hq / hkv), or else [B, S, hq, D], one
+    a query head (kernel_kv_heads). Default causal_attention; ring.ring_attention over a ring group makes it Ulysses
+    x Ring. group=None or of one rank: attn_fn alone. check: `check_inputs` first (skipped while compiling).
+    sinks [Hq]: a learned logit per query head (gpt-oss); attn_fn gets this rank's as sinks=...."""
     if sinks is not None and (attn_fn is None or tuple(sinks.shape) != (q.shape[2],)):
         raise ValueError(f"ulysses_attention: sinks {tuple(sinks.shape)} need one logit per query head, "
                          f"[{q.shape[2]}], and an attn_fn that takes sinks=, e.g. ring.ring_attention")
