@@ -20,11 +20,11 @@ layout, one head per value head: q, k [B, S, H, Dk], v [B, S, H, Dv], g and beta
 bool [B, S] marking where documents start (None: one document a row) -> o [B, S, H, Dv].
 `gated_delta_rule` runs the recurrence token by token. It is the reference.
 
-The chunked form. S rank-one updates one after another are slow. Cut the sequence into chunks of C = 64
-tokens. Inside a chunk, each state and each output is affine in the state M0 the chunk starts from: a matrix
-times M0, plus a term from the chunk's own tokens. So the C steps unroll into matrix products. One triangular
-solve gives all the chunk's corrections at once (the UT transform). Only the state is carried, in a loop over
-the S/C chunks. Every step of this algebra is an identity: nothing is dropped or approximated. So the chunked
+The chunked form. S rank-one updates one after another are slow. Cut the sequence into chunks of C = 64 tokens.
+Inside a chunk, each state and each output is affine in the state M0 the chunk starts from: a matrix times M0, plus
+a term from the chunk's own tokens. So the C steps unroll into matrix products. One triangular solve gives all the
+chunk's corrections at once, as affine functions of M0 (the UT transform). Only the state is carried, in a loop
+over the S/C chunks. Every step of this algebra is an identity: nothing is dropped or approximated. So the chunked
 form equals the recurrence up to float round-off (the tests hold it there at 1e-10 in float64).
 `chunk_gated_delta_rule` writes the algebra out.
 
@@ -37,12 +37,12 @@ The layer. One projection turns x [B, S, h] into q and k [B, S, Hk, Dk], v and z
 in Mamba2. There may be fewer key heads (q, k) than value heads (v, the state, the output): key head j serves
 value heads j*G .. j*G + G-1, G = Hv / Hk, like grouped-query attention in reverse. The output is gated per
 token: out = proj(RMSNorm(o) * silu(z)). There is no RoPE: the recurrence knows the order of the tokens.
-`gated_delta_net` is everything in between that needs the whole sequence: the conv, the L2 norms, the gates
-and the rule. It computes in float32 with autocast off: cumulative decays and a state carried over the whole
-sequence would drift in bf16.
+`gated_delta_net` is everything in between: the conv and the rule, which need the whole sequence, and the L2
+norms and gates. It computes in float32 (float64 stays) with autocast off: cumulative decays and a state carried
+over the whole sequence would drift in bf16.
 
-Under Ulysses SP the heads travel, as in softmax attention. What needs the whole sequence runs between two
-all-to-alls, on this rank's value heads; what is per token stays outside:
+Under Ulysses SP the heads travel, as in softmax attention. gated_delta_net runs between the exchanges to heads
+and back, on this rank's value heads; what needs every head of a token stays outside:
 
     local tokens, all heads          all tokens, my heads                    local tokens, all heads
     x -> q, k, v, z, b, a  --a2a-->  q, k, v, b, a:                 --a2a--> o -> RMSNorm(o) * silu(z) -> out
@@ -52,30 +52,30 @@ all-to-alls, on this rank's value heads; what is per token stays outside:
                                      (my heads' A_log and dt_bias), the
                                      gated delta rule -> o
 
-Two all-to-alls carry them: q and k side by side to key heads, v, b and a side by side to value heads. Value
+Three all-to-alls a layer each way: q and k side by side to key heads, v, b and a to value heads, o back. Value
 heads are split over the ranks as query heads are, and each rank receives exactly the key heads its value heads
 use (`head_layout`, value heads in the role of query heads). So a value head never spans two ranks: at most Hv
 ranks, and the bytes grow with S. With packed documents, the starts come from the all-gathered global position
-ids: a shard boundary is never a document start.
+ids, so a shard boundary is not taken for a document start.
 
 The context-parallel way (gdn_parallel="context") moves the state instead. Each rank keeps its own tokens
-with all heads. The rule is affine in its starting state: over a run of tokens, state_out = M @ state_in +
-h_ext, with h_ext [Dk, Dv] the state reached from zero and M [Dk, Dk] the product of the tokens' transitions
-exp(g_t) (I - beta_t k_t k_t^T). A document start inside the run zeroes M by itself (its decay is 0). So:
+with all heads. The rule is affine in its starting state: over a run of tokens, state_out = T @ state_in +
+h_ext, with h_ext [Dk, Dv] the state reached from zero and T [Dk, Dk] the product of the tokens' transitions
+exp(g_t) (I - beta_t k_t k_t^T). A document start inside the run zeroes T by itself (its decay is 0). So:
 
-    rank 0        rank 1        rank 2          each rank: (M_r, h_r) of its tokens, one kernel call
-    M_0, h_0      M_1, h_1      M_2, h_2        all-gather the pairs, then each folds those before it:
+    rank 0        rank 1        rank 2          each rank: (T_r, h_r) of its tokens, one kernel call a run
+    T_0, h_0      T_1, h_1      T_2, h_2        all-gather the pairs, then each folds those before it:
       |             |             |
-    s_0 = 0  ->  s_1 = h_0  ->  s_2 = M_1 s_1 + h_1       s_r: the state rank r starts from, float32
+    s_0 = 0  ->  s_1 = h_0  ->  s_2 = T_1 s_1 + h_1       s_r: the state rank r starts from, float32 or wider
 
 The same kernel gives the pair: append Dk zero columns to v and start from [0 | I]. A zero value column
-evolves by the transitions alone, so the final state is [h_ext | M]. The outputs come from that call too:
-o_t = o_t(from 0) + s^T (T_t^T q_t), and the appended columns' outputs are T_t^T q_t (T_t: the transitions
-up to t). The convolution takes the W-1 tokens before a rank's first one from the rank that holds them
-(zeros at the sequence start, with their document starts). Backward is the same fold the other way: the
-gather's gradient sums each rank's part back to it. With a ring, zigzag gives a rank one or two runs of the
-sequence (`token_runs`), each a link of the chain. Any number of ranks, and the bytes do not grow with S:
-(P-1) x [Dk, Dv + Dk] a value head and W-1 tokens, per run and row, forward and backward alike.
+evolves by the transitions alone, so the final state is [h_ext | T]. The outputs come from that call too:
+o_t = o_t(from 0) + s^T (T_t^T q_t) / sqrt(Dk), and the appended columns' outputs are T_t^T q_t / sqrt(Dk) (T_t:
+the product of the transitions up to t). The convolution takes the W-1 tokens before each run from the ranks
+that hold them, all-gathered (zeros at the sequence start, with their document starts). Backward differentiates
+each rank's fold and sends every gathered piece's gradient back to its rank, summed. With a ring, zigzag gives a
+rank one or two runs of the sequence (`token_runs`), each a link of the chain. Any number of ranks, and the bytes
+do not grow with S: (P-1) x [Dk, Dv + Dk] a value head and W-1 tokens, per run slot and row, both ways alike.
 
 The file reads: the recurrence, the chunked form, the convolution, the context-parallel way, gated_delta_net, the
 layer. It needs torch, ring.py, ulysses.py, documents.py and tiled.py. `python -m harness.bench deltanet` times
@@ -229,11 +229,11 @@ def _all_to_all_sum(grad, group):
 
 
 class _GatherThen(torch.autograd.Function):
-    """fn(every rank's x), x [n, ...] one entry per run of this rank, gathered to [P, n, ...] in the order (ring
-    rank, Ulysses rank): an all-gather over the Ulysses group, then one over the ring. Backward: fn's gradient
-    for every rank's x, and each rank's summed back to it. Gather and fn are one step of autograd on purpose:
-    the rank whose runs come first uses nothing it gathered, and autograd would skip the backward of a gather
-    whose result is unused, leaving the other ranks waiting in its collective."""
+    """fn(every rank's x), x [n, ...] one slot per run of this rank (n: the most any rank has; zeros in a spare
+    slot), gathered to [P, n, ...] in the order (ring rank, Ulysses rank): an all-gather over the Ulysses group,
+    then one over the ring. Backward: fn's gradient for every rank's x, and each rank's summed back to it. Gather
+    and fn are one step of autograd on purpose: the rank whose runs come first uses nothing it gathered, and
+    autograd would skip the backward of a gather whose result is unused, leaving the other ranks waiting."""
 
     @staticmethod
     def forward(ctx, x, context, fn):
@@ -245,7 +245,7 @@ class _GatherThen(torch.autograd.Function):
                 continue
             parts = [torch.empty_like(every) for _ in range(P)]
             dist.all_gather(parts, every, group=group)
-            context_stats["forward"] += every.nbytes * (P - 1)  # mine, to each other rank
+            context_stats["forward"] += every.nbytes * (P - 1)  # what I hold so far, to each other rank
             every = torch.stack(parts)  # (U, n, ...), then (R, U, n, ...)
         ctx.context, ctx.fn = context, fn
         ctx.save_for_backward(every)
@@ -308,7 +308,7 @@ def left_contexts(x, starts, context, width, links):
     """x [B, L, C]: this rank's channels before the convolution; starts [B, L] its document starts (None: none);
     links: chain(context, L) -> for each of its runs the `width` tokens before it in the global sequence,
     [B, width, C + 1], the last channel 1.0 where a document starts; zeros before the first token. Every rank
-    sends the last `width` tokens of each of its runs (fewer when a run is shorter: the runs before it fill in)."""
+    sends `width` rows a run, its last tokens after zeros (a shorter run: the runs before it fill in)."""
     B, L, C = x.shape
     mine, before, n = links
     flags = x.new_zeros(B, L) if starts is None else starts.to(x.dtype)  # (B, L)
@@ -319,8 +319,8 @@ def left_contexts(x, starts, context, width, links):
     def lefts(every):  # (P, n, B, width, C + 1) -> (my runs, B, width, C + 1)
         zeros = every.new_zeros(B, width, C + 1)  # what lies before the sequence
         return torch.stack([torch.cat([zeros, *(every[rank, slot, :, width - min(width, length):]
-                                                for rank, slot, length in links)], dim=1)[:, -width:]
-                            for links in before])
+                                                for rank, slot, length in earlier)], dim=1)[:, -width:]
+                            for earlier in before])
     return _GatherThen.apply(torch.stack(tails), context, lefts)
 
 
@@ -337,10 +337,10 @@ def context_conv1d(x, weight, starts, lefts, mine):
 
 def context_gated_delta_rule(q, k, v, g, beta, starts, context, links):
     """chunk_gated_delta_rule over the whole sequence, when this rank holds only its runs of it (same arguments,
-    [B, L, ...] each). One call of the kernel per run gives its outputs from a zero state, its summary (M, h_ext)
+    [B, L, ...] each). One call of the kernel per run gives its outputs from a zero state, its summary [h_ext | T]
     and what a starting state adds to each output; the gathered summaries of the runs before it give its
     starting state."""
-    B, L, H, Dk = q.shape
+    B, _, H, Dk = q.shape
     Dv = v.shape[-1]
     mine, before, n = links
     identity = torch.eye(Dk, dtype=q.dtype, device=q.device).expand(B, H, Dk, Dk)  # (B, H, Dk, Dk)
@@ -351,17 +351,17 @@ def context_gated_delta_rule(q, k, v, g, beta, starts, context, links):
         o, final = chunk_gated_delta_rule(q[:, run], k[:, run], F.pad(v[:, run], (0, Dk)), g[:, run], beta[:, run],
                                           None if starts is None else starts[:, run],
                                           initial_state=zero_and_identity, output_final_state=True)
-        outputs.append(o)  # (B, l, H, Dv + Dk): the outputs from state 0, then q_t through the decays so far
-        summaries.append(final)  # (B, H, Dk, Dv + Dk): [h_ext | M]
+        outputs.append(o)  # (B, l, H, Dv + Dk): the outputs from state 0, then T_t^T q_t / sqrt(Dk)
+        summaries.append(final)  # (B, H, Dk, Dv + Dk): [h_ext | T]
     summaries += [torch.zeros_like(summaries[0])] * (n - len(mine))
 
     def fold(every):  # (P, n, B, H, Dk, Dv + Dk) -> (my runs, B, H, Dk, Dv): the state each of my runs starts from
         starting = []
-        for links in before:
+        for earlier in before:
             state = q.new_zeros(B, H, Dk, Dv)  # (B, H, Dk, Dv), in the kernel's float32 (or wider)
-            for rank, slot, _ in links:
-                h_ext, M = every[rank, slot].split([Dv, Dk], dim=-1)  # (B, H, Dk, Dv), (B, H, Dk, Dk)
-                state = M @ state + h_ext
+            for rank, slot, _ in earlier:
+                h_ext, T = every[rank, slot].split([Dv, Dk], dim=-1)  # (B, H, Dk, Dv), (B, H, Dk, Dk)
+                state = T @ state + h_ext
             starting.append(state)
         return torch.stack(starting)
     states = _GatherThen.apply(torch.stack(summaries), context, fold)  # (my runs, B, H, Dk, Dv)
@@ -478,7 +478,7 @@ class GatedDeltaNet(nn.Module):
     def context_bytes(self, batch, tokens, element_bytes):
         """(forward, backward) bytes this rank sends per call on the context-parallel way, `tokens` local tokens in
         each of `batch` rows: for each of n runs (token_runs: 1 or 2) and row, to each of the P-1 other ranks, the
-        summary [h_ext | M], [Dk, Dv + Dk] a value head in float32 (or wider), and the last W-1 tokens before the
+        summary [h_ext | T], [Dk, Dv + Dk] a value head in float32 (or wider), and the last W-1 tokens before the
         convolution (2*Hk*Dk + Hv*Dv channels and a start flag) in the compute dtype. Backward: the same bytes."""
         Hk, Hv, Dk, Dv = self.dims
         if self.parallel != "context":
