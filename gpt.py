@@ -2,9 +2,9 @@
 A small decoder-only transformer (nanoGPT-style, with RoPE, RMSNorm and grouped-query attention) that trains
 under Ulysses sequence parallelism, with softmax attention or Gated DeltaNet (linear attention) in each layer.
 
-The model sees only its rank's S/P tokens. Everything but attention is per token, so it runs on the local tokens
-unchanged; attention goes through ulysses.py, the one place where tokens of different ranks meet. The model knows
-nothing else of SP: it passes the SP group to the all-to-alls, and RoPE rotates each token by its GLOBAL position.
+The model sees only its rank's S/P tokens. All but the token mixing is per token and runs on them unchanged; tokens
+of different ranks meet only inside a layer's attention: Ulysses' all-to-alls (ulysses.py), a ring (ring.py), or
+Gated DeltaNet's passed state (deltanet.py). RoPE rotates each token by its position id in the full sequence.
 
 A layer is softmax attention or, in hybrid models (Qwen3-Next: three Gated DeltaNet layers to one softmax layer),
 Gated DeltaNet, a linear attention with a recurrent state (deltanet.py). The MLP is GPT-2's (GELU) or Llama's
@@ -41,11 +41,11 @@ class GPTConfig(DeltaNetConfig):  # Gated DeltaNet's settings, from deltanet.py,
     mlp: str = "gelu"  # "gelu": proj(gelu(fc x)), GPT-2's; "swiglu": proj(silu(gate x) * up x), Llama's
     intermediate_size: int = 0  # the MLP's hidden size; 0: 4 x n_embd
     layer_pattern: str = "a"  # layer i is layer_pattern[i % len]: a = softmax attention, d = Gated DeltaNet
-    # How to compute, not what: these change memory and time, never the result.
-    tiles: int = 1  # > 1: MLP and loss run over this many sequence tiles (tiled.py), never the full activation
+    # How to compute, not what: these change memory and time, never the result (beyond rounding).
+    tiles: int = 1  # > 1: the MLP (and the loss) runs over this many sequence tiles (tiled.py), never holding [B, S, I]
     loss_tiles: int = 0  # the loss's own tile count (a token's logits are vocab wide, the MLP's I); 0: tiles
     recompute: bool = False  # keep only each block's input; recompute the block in backward
-    offload: bool = False  # with recompute, on a GPU: keep those block inputs in host memory until backward
+    offload: bool = False  # with recompute, on a GPU: keep those block inputs (x, cos, sin) on the host till backward
 
     def __post_init__(self):
         if self.n_embd % self.n_head or (self.n_embd // self.n_head) % 2:
@@ -71,14 +71,14 @@ PRESETS = {"llama3-8b": dict(n_layer=32, n_embd=4096, n_head=32, n_kv_head=8, vo
                              intermediate_size=14336, rope_base=500000.0)}
 
 
-def rope_cos_sin(position_ids, head_dim, base):  # global positions [B, S] -> cos, sin [B, S, 1, head_dim], float32
+def rope_cos_sin(position_ids, head_dim, base):  # position ids [B, S] -> cos, sin [B, S, 1, head_dim], float32
     inv_freq = base ** -(torch.arange(0, head_dim, 2, device=position_ids.device, dtype=torch.float32) / head_dim)
     angles = position_ids.float()[..., None] * inv_freq  # (B, S, D/2)
     angles = torch.cat([angles, angles], dim=-1)[:, :, None, :]  # (B, S, 1, D)
     return angles.cos(), angles.sin()
 
 
-def apply_rope(x, cos, sin):  # x [B, S, H, D]: each pair (x_i, x_{i+D/2}) turned by its position's angle
+def apply_rope(x, cos, sin):  # x [B, S, H, D]: each pair (x_i, x_{i+D/2}) turned by position x the pair's frequency
     x1, x2 = x.chunk(2, dim=-1)
     return (x * cos + torch.cat([-x2, x1], dim=-1) * sin).to(x.dtype)
 
@@ -97,7 +97,7 @@ class Attention(nn.Module):
         B, S_local, _ = x.shape  # S_local = S/P: this rank's tokens
         qkv = self.qkv(x).view(B, S_local, -1, self.head_dim)  # (B, S/P, n_head + 2 n_kv_head, D)
         q, k, v = qkv.split([self.n_head, self.n_kv_head, self.n_kv_head], dim=2)  # (B, S/P, heads, D) each
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # rotated by their global positions
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # rotated by their positions in the full sequence
         # GPT.forward checks once that every rank holds alike shards, so the layer need not
         y = ulysses_attention(q, k, v, self.sp_group, attend, check=False, sinks=self.sinks)  # (B, S/P, n_head, D)
         return self.proj(y.flatten(2))  # (B, S/P, n_embd)
@@ -192,41 +192,41 @@ def layer_kernels(cfg, sp_group=None, ring_group=None):
                          "splits; use gdn_parallel='context' with a ring, or no ring")
 
     def kernels(position_ids, packed, token_index):
-        full = gather_sequence(position_ids, sp_group) if packed else None  # (B, S_local x Ulysses ranks)
+        gathered = gather_sequence(position_ids, sp_group) if packed else None  # (B, S_local x Ulysses ranks)
         if ring or cfg.sinks:  # the ring's kernel takes sinks: with sinks and no ring, a ring of one rank
             layout = gather_sequence(token_index, sp_group) if packed and ring and token_index is not None else "zigzag"
             if "d" in cfg.layer_pattern and torch.is_tensor(layout):  # their state passes on in zigzag order
                 zigzag_only(layout, ring_group)
-            attend = partial(ring_attention, group=ring_group, layout=layout, window=window, position_ids=full)
+            attend = partial(ring_attention, group=ring_group, layout=layout, window=window, position_ids=gathered)
         elif packed:
-            attend = partial(document_attention, position_ids=full, window=window)
+            attend = partial(document_attention, position_ids=gathered, window=window)
         else:
             attend = partial(sliding_window_attention, window=window) if window else causal_attention
-        starts = (position_ids if cfg.gdn_parallel == "context" else full) == 0 if packed else None  # mine, or gathered
+        starts = (position_ids if cfg.gdn_parallel == "context" else gathered) == 0 if packed else None  # DeltaNet's
         return {"a": attend, "d": partial(gated_delta_net, starts=starts)}
     return kernels
 
 
 class GPT(nn.Module):
-    """sp_group: the Ulysses group of the all-to-alls; ring_group (Ulysses x Ring): the ring softmax attention then
-    runs over (ring.py); None: no such group. host: where cfg.offload keeps block inputs off a GPU."""
+    """sp_group: the Ulysses group of the all-to-alls; ring_group: the ring beside it (Ulysses x Ring) that ring
+    attention and context-parallel DeltaNet use; None: none. host: where cfg.offload keeps block inputs off a GPU."""
 
     def __init__(self, cfg, sp_group=None, ring_group=None, host=torch.device("cpu")):
         super().__init__()
         self.cfg, self.sp_group, self.host = cfg, sp_group, host
         self.ring_group = ring_group if size_and_rank(ring_group)[0] > 1 else None
-        self.kernels = layer_kernels(cfg, sp_group, self.ring_group)  # what attention runs is decided here
+        self.make_kernels = layer_kernels(cfg, sp_group, self.ring_group)  # what attention runs is decided here
         self.embed = nn.Embedding(cfg.vocab_size, cfg.n_embd)
         self.blocks = nn.ModuleList(Block(cfg, sp_group, cfg.layer_pattern[i % len(cfg.layer_pattern)],
                                           self.ring_group) for i in range(cfg.n_layer))
         self.head = Head(cfg)
         for name, p in self.named_parameters():
-            if p.dim() == 2:  # the output projections into the residual stream scaled down with depth, as in GPT-2
+            if p.dim() == 2:  # every matrix; those into the residual stream (.proj) scaled down with depth, as GPT-2
                 std = 0.02 / (2 * cfg.n_layer) ** 0.5 if name.endswith(".proj.weight") else 0.02
                 nn.init.normal_(p, mean=0.0, std=std)
 
     def units(self):
-        """The pieces that ZeRO-3 gathers one at a time, in forward order."""
+        """The pieces that ZeRO-3 gathers unit by unit (the next one prefetched), in forward order."""
         return [self.embed, *self.blocks, self.head]
 
     def forward(self, idx, position_ids, labels=None, packed=False, token_index=None):
@@ -237,14 +237,14 @@ class GPT(nn.Module):
             raise ValueError(f"GPT.forward: idx {tuple(idx.shape)}, position_ids {tuple(position_ids.shape)}: want "
                              f"position_ids of idx's shape, [B, S_local]")
         check_shards(idx, self.sp_group), check_shards(idx, self.ring_group)  # before a mismatch could hang
-        attend = self.kernels(position_ids, packed, token_index)  # each kind of layer's kernel, for this batch
+        kernels = self.make_kernels(position_ids, packed, token_index)  # {"a": softmax's kernel, "d": DeltaNet's}
         x = at_least_float32(self.embed(idx))  # (B, S_local, h); the residual stream stays float32 under bf16
         cos, sin = rope_cos_sin(position_ids, self.cfg.n_embd // self.cfg.n_head, self.cfg.rope_base)
         offload = self.cfg.offload and x.device != self.host  # ALST's trick: block inputs wait in host memory
         for block in self.blocks:
             if self.cfg.recompute:  # keep only the block's input; run the block again in backward
                 with kept_on(self.host) if offload else nullcontext():
-                    x = torch.utils.checkpoint.checkpoint(block, x, cos, sin, attend[block.kind], use_reentrant=False)
+                    x = torch.utils.checkpoint.checkpoint(block, x, cos, sin, kernels[block.kind], use_reentrant=False)
             else:
-                x = block(x, cos, sin, attend[block.kind])
+                x = block(x, cos, sin, kernels[block.kind])
         return self.head(x, labels)

@@ -4,13 +4,14 @@ holding its full-sequence intermediate activations.
 
 An MLP on S tokens makes [B, S, I] tensors (I: its hidden size, 4h in GPT-2; two of them with GELU, four with
 SwiGLU) and autograd keeps them for backward; a language-model head makes [B, S, vocab] float32 logits, and
-cross-entropy keeps a copy of the same size. With Ulysses, S is the local S/P tokens, but at long context these
+cross-entropy keeps their log-softmax, as large. With Ulysses, S is the local S/P tokens, but at long context these
 are still the largest tensors of the step. Every token is computed independently in these layers, so we cut the
 sequence into T tiles and run the layer one tile at a time:
 
     x [B, S, h]    | tile 0 | tile 1 | tile 2 | tile 3 |      T = 4 tiles along dim 1
-    forward        each tile under no_grad -> its output is written out, its [B, S/T, I] is freed at once
-    between        only x is kept (it is alive anyway: it is the layer's input)
+    forward        each tile under no_grad -> its output is kept, its [B, S/T, I] is freed at once; then the
+                   tiles' outputs are joined into one [B, S, h]
+    between        only x is kept (the untiled layer keeps it too, as its first linear's input)
     backward       tile i is recomputed with grad, differentiated, and freed before tile i+1 starts
 
                       untiled                          tiled
@@ -19,16 +20,17 @@ sequence into T tiles and run the layer one tile at a time:
     cost                                                one more forward of every tile (the recomputation)
 
 Parameters are handed in explicitly: they are inputs of the autograd Function, and fn gets them as arguments.
-Backward takes each tile's parameter gradient with torch.autograd.grad (which writes nothing into .grad), sums
-the T of them, and returns the sum. So autograd accumulates each parameter's gradient ONCE per backward, as
-without tiling, and a post-accumulate-grad hook (where a ZeRO-3 sharder reduce-scatters the gradient) fires
-once, not T times. (A hook added with register_hook, by contrast, also sees every tile's partial gradient.)
+Backward takes each tile's parameter gradient with torch.autograd.grad (which writes nothing into .grad), sums the
+T of them in float32, and returns the sum in the parameter's dtype. So autograd accumulates each parameter's
+gradient ONCE per backward, as without tiling, and a post-accumulate-grad hook (where a ZeRO-3 sharder
+reduce-scatters the gradient) fires once, not T times. (A hook added with register_hook, by contrast, also sees
+every tile's partial gradient.)
 
-Every rank must run the same number of tiles: fn may run collectives (a module hook that gathers parameters
-runs once per tile, in forward and again in backward), and a rank that makes one call fewer hangs the group.
-The tile count therefore depends only on n_tiles and S = x.shape[1], as min(n_tiles, S): every rank holds the same
-padded length S/P, so every rank computes the same count. ALST picks tiles of about h tokens (n_tiles = ceil(S/h)),
-so that a tile's [B, h, I] is B times the size of the MLP's weight [I, h] at any sequence length.
+Every rank must run the same number of tiles: fn may run collectives (a sharder's hook on the MLP module itself
+would gather once per tile, in forward and again in backward), and a rank that makes one call fewer hangs the
+group. The tile count therefore depends only on n_tiles and S = x.shape[1], as min(n_tiles, S): every rank holds
+the same padded length S/P, so every rank computes the same count. ALST picks tiles of about h tokens (n_tiles =
+ceil(S/h)), so that a tile's [B, h, I] is B times the size of the MLP's weight [I, h] at any sequence length.
 
 This file depends on torch alone: copy it into your own project.
 """
@@ -94,7 +96,7 @@ class _SequenceTiled(torch.autograd.Function):
                 if j < len(inputs):
                     input_grad_tiles[j][i].copy_(grad)  # (B, s, ...) into (B, S, ...)
                 else:
-                    k = j - len(inputs)
+                    k = j - len(inputs)  # j is parameter k
                     param_grads[k] = at_least_float32(grad) if param_grads[k] is None else param_grads[k].add_(grad)
         unused = [k for k, need in enumerate(needs_grad[len(inputs):]) if need and param_grads[k] is None]
         if unused:
@@ -105,7 +107,7 @@ class _SequenceTiled(torch.autograd.Function):
 
 
 def sequence_tiled_compute(fn, inputs, params, n_tiles):
-    """Run fn over n_tiles tiles of the sequence and keep none of its activations for backward.
+    """Run fn over n_tiles tiles of the sequence and keep only its inputs for backward, none of its activations.
 
     inputs: tensors [B, S, ...], all cut along dim 1 (the sequence). fn(*input_tiles, *params) must treat every
     token on its own and return a tensor [B, s, ...] or a tuple of them, s being the tile's length; the tiles'
@@ -135,8 +137,9 @@ def tiled_lm_loss(head_fn, x, labels, params, n_tiles):
     x [B, S, h], labels [B, S] with -100 for tokens without a label. Returns (loss_sum, correct): the sum of
     token cross-entropies (float32, or float64 for float64 logits) and the number of tokens whose argmax is the
     label, both over the labelled tokens only (a tile, or a rank, without labels adds 0). Kept for backward: x and
-    labels, nothing of size vocab; the largest transients are one tile's logits and their gradient,
-    [B, S/T, vocab] each. Tiles of about h tokens bound a tile's logits by B times the lm_head weight.
+    labels, nothing of size vocab; the largest transients are one tile's [B, S/T, vocab] tensors (its logits, in
+    float32 too, their log-softmax, their gradient). Tiles of about h tokens make each B times the lm_head weight's
+    elements.
     """
     def loss_and_correct(x_tile, labels_tile, *params):  # (B, s, h), (B, s)
         logits = at_least_float32(head_fn(x_tile, *params))  # (B, s, vocab)
@@ -150,7 +153,8 @@ def tiled_lm_loss(head_fn, x, labels, params, n_tiles):
 
 def kept_on(host):
     """ALST's offload: what autograd saves for backward waits on `host` (torch.autograd.graph.save_on_cpu, for any
-    host device), copied out as it is saved (into pinned memory from a GPU) and back when backward needs it."""
+    host device), copied out as it is saved (waiting; into pinned memory from a GPU) and back, without waiting,
+    when backward needs it."""
     def pack(t):
         return t.device, torch.empty(t.shape, dtype=t.dtype, device=host, pin_memory=t.is_cuda).copy_(t)
     return torch.autograd.graph.saved_tensors_hooks(pack, lambda packed: packed[1].to(packed[0], non_blocking=True))

@@ -1,6 +1,6 @@
 """
 ZeRO-3: each of the N ranks of a process group owns 1/N of the model state (parameters, gradients and AdamW
-state), and the full parameters of a unit (the embedding, one block, the head) exist only while it computes.
+state), and the full parameters of a unit (the embedding, one block, the head) exist only around its compute.
 
 Each unit's parameters are flattened into one float32 vector, padded with zeros to a multiple of N and cut
 into N equal shards. Rank r keeps shard r as an nn.Parameter: the optimizer sees only these shards, so its
@@ -18,16 +18,17 @@ state is 1/N of the model's too. Here N = 2:
                                     all-gather block 0 | block 0's backward | reduce-scatter | free  ...
 
 The all-gathers overlap: the one for the unit that runs next (forward: i+1, backward: i-1) starts once unit i's
-own gather is done, just before unit i computes, and runs while it does.
+own gather is done, just before unit i computes, and runs while it does. The reduce-scatter waits where it is.
 
 Per forward and backward every parameter is all-gathered twice and its gradient reduce-scattered once:
-3*(N-1)/N of the model sent per rank, 1.5x the all-reduce of plain data parallelism, for model state cut to 1/N.
-Besides its shards a rank holds the gathered copies of at most two units (the one computing, the one prefetched)
-and, during a unit's backward, that unit's full gradient.
+3*(N-1)/N of the model's elements sent per rank, 1.5x the all-reduce of plain data parallelism (in float32; the
+gathers move the compute dtype), for model state cut to 1/N. Besides its shards a rank holds the gathered copies
+of at most two units (the one computing, the one prefetched) and, during a unit's backward, that unit's full
+gradient (in the compute dtype, then in float32 for the reduce).
 
 How: the module's parameters become views into one flat tensor `full` per unit, a leaf that requires grad.
-Freeing resizes its storage to 0 bytes; gathering resizes it back and all-gathers into it, so the views, those
-that autograd saved for backward included, see the data again without being recreated (the trick of FSDP1).
+Freeing resizes its storage to 0 bytes; gathering resizes it back and all-gathers into it, so the views autograd
+saved for backward see the data again as they are (the trick of FSDP1); each forward sets fresh ones too.
 Autograd sums the views' gradients into `full.grad`; a post-accumulate-grad hook on `full` fires once per backward,
 when the unit's gradient is complete, and reduce-scatters it. Gradients are SUMMED over ranks, never averaged:
 the loss is already divided by the valid-token count of the whole global batch, so the sum is the gradient.
@@ -35,8 +36,8 @@ the loss is already divided by the valid-token count of the whole global batch, 
 Offloaded (ZeRO3(..., offload_to=torch.device("cpu")), ALST's single-GPU setting): the float32 shards, their
 gradients and with them AdamW's state live in CPU memory, 16 bytes a parameter / N (plus the compute-dtype buffer
 below), and AdamW steps there. The GPU keeps no model state between steps, only the gathered units: a gather copies
-the shard in the compute dtype from a host buffer (pinned on CUDA, so the copy does not wait), which is refilled
-whenever the shard has changed; each reduced gradient goes to host memory at once.
+the shard in the compute dtype from a host buffer (pinned on CUDA, so the copy does not wait), refilled by a
+gather when the shard has changed since; each reduced gradient goes to host memory at once.
 
     host      shard fp32 -> bf16 buffer          shard.grad fp32 <-+         AdamW (moments, step)
                                  | copy                             | copy
@@ -90,9 +91,9 @@ class ShardedUnit:
         for slot in self.slots:
             delattr(slot.module, slot.attr)  # the module keeps no parameter of its own from now on
         self.full = torch.empty(padded, dtype=compute_dtype or torch.float32, device=self.device, requires_grad=True)
-        # offloaded only: `staging`, the shard in the compute dtype in host memory, which gathers copy from; `staged`,
-        # the shard's version (its count of in-place changes) that staging holds
-        self.staging = self.staged = None
+        # offloaded only: `staging`, the shard in the compute dtype in host memory, which gathers copy from; and
+        # `staged_version`, the shard's version (its count of in-place changes) that staging holds
+        self.staging = self.staged_version = None
         if offload_to is not None:
             self.staging = torch.empty(shard.shape, dtype=self.full.dtype, device=offload_to,
                                        pin_memory=self.device.type == "cuda")
@@ -121,15 +122,16 @@ class ShardedUnit:
             self.handle, self.send = None, None
 
     def local_copy(self):
-        """This rank's shard in the compute dtype on the device, what it sends to the all-gather. Offloaded, a copy of
-        the host buffer, which is refilled first if the shard has changed since (the optimizer, a checkpoint)."""
+        """This rank's shard in the compute dtype on the device, what it sends to the all-gather (the shard itself if
+        it is so already). Offloaded, a copy of the host buffer, refilled first if the shard has changed since (the
+        optimizer, a checkpoint)."""
         if self.staging is None:
             return self.shard.detach().to(self.full.dtype)
         # refill only if the shard changed. No copy out of staging can still be running then: the optimizer
         # stepped after backward's gradient copies to the host, and those waited for the GPU
-        if self.staged != self.shard._version:
+        if self.staged_version != self.shard._version:
             self.staging.copy_(self.shard.detach())
-            self.staged = self.shard._version
+            self.staged_version = self.shard._version
         return self.staging.to(self.device, non_blocking=True)
 
     def free(self):
@@ -159,17 +161,18 @@ class ZeRO3:
 
     units: submodules in forward order that together hold every parameter exactly once (GPT.units()).
     compute_dtype: dtype of the gathered parameters forward and backward run with (e.g. torch.bfloat16);
-    the shards, their gradients and hence the optimizer stay float32. offload_to: a device (CPU memory) that keeps
-    the shards, their gradients and so the optimizer's state and step. Call the model as before; give the
-    optimizer `zero.parameters()`. The group must be initialized; a group of one rank works too."""
+    the shards, their gradients (summed over ranks in float32) and hence the optimizer stay float32. offload_to: a
+    device (CPU memory) that keeps the shards, their gradients and so the optimizer's state and step. Call the model
+    as before; give the optimizer `zero.parameters()`. The group must be initialized; a group of one rank works too."""
 
     def __init__(self, model, units, group=None, compute_dtype=None, offload_to=None):
         owned = [id(p) for unit in units for _, p in unit.named_parameters(remove_duplicate=False)]
-        unowned = [name for name, p in model.named_parameters() if id(p) not in set(owned)]
-        if unowned or len(owned) != len(set(owned)):
+        distinct = set(owned)
+        unowned = [name for name, p in model.named_parameters() if id(p) not in distinct]
+        if unowned or len(owned) != len(distinct):
             raise ValueError(f"every parameter must belong to exactly one unit; in none: {unowned}, "
-                             f"in more than one place: {len(owned) - len(set(owned))} (tied weights are not supported)")
-        self.model, self.group = model, group
+                             f"in more than one place: {len(owned) - len(distinct)} (tied weights are not supported)")
+        self.group = group
         prefixes = {module: name for name, module in model.named_modules()}
         self.units = [ShardedUnit(unit, prefixes[unit], group, compute_dtype, offload_to) for unit in units]
         for i, unit in enumerate(self.units):
