@@ -53,8 +53,8 @@ def ring_attention(q, k, v, group=None, layout=None, window=None, causal=True, s
     [B, L]: 0 where a packed document starts. sinks [Hq]: a logit per query head. fused=False: the einsum tiles."""
     R = size_and_rank(group)[0]
     given = torch.is_tensor(layout)  # each token's position, not a layout by name
-    if (R > 1 and not given and layout not in ("zigzag", "contiguous") or
-            given and (layout.shape != q.shape[:2] or position_ids is None)):
+    if ((R > 1 and not given and layout not in ("zigzag", "contiguous")) or
+            (given and (layout.shape != q.shape[:2] or position_ids is None))):
         raise ValueError(f"layout={tuple(layout.shape) if given else layout!r}: a ring of {R} ranks needs the layout "
                          f"its tokens were sharded in: 'zigzag' (shard_for_ring), 'contiguous', or each token's "
                          f"position [B, L], with position_ids")
