@@ -52,30 +52,30 @@ and back, on this rank's value heads; what needs every head of a token stays out
                                      (my heads' A_log and dt_bias), the
                                      gated delta rule -> o
 
-Three all-to-alls a layer each way: q and k side by side to key heads, v, b and a to value heads, o back. Value
-heads are split over the ranks as query heads are, and each rank receives exactly the key heads its value heads
-use (`head_layout`, value heads in the role of query heads). So a value head never spans two ranks: at most Hv
-ranks, and the bytes grow with S. With packed documents, the starts come from the all-gathered global position
-ids, so a shard boundary is not taken for a document start.
+Three all-to-alls a layer forward (q and k side by side to key heads, v, b and a to value heads, o back), and three
+in backward. Value heads are split over the ranks as query heads are, and each rank receives exactly the key heads
+its value heads use (`head_layout`, value heads in the role of query heads). So a value head never spans two ranks:
+at most Hv ranks, and the bytes grow with S. With packed documents, the starts come from the all-gathered global
+position ids, so a shard boundary is not taken for a document start.
 
-The context-parallel way (gdn_parallel="context") moves the state instead. Each rank keeps its own tokens
-with all heads. The rule is affine in its starting state: over a run of tokens, state_out = T @ state_in +
-h_ext, with h_ext [Dk, Dv] the state reached from zero and T [Dk, Dk] the product of the tokens' transitions
-exp(g_t) (I - beta_t k_t k_t^T). A document start inside the run zeroes T by itself (its decay is 0). So:
+The context-parallel way (gdn_parallel="context") moves the state instead. Each rank keeps its own tokens with all
+heads. The rule is affine in its starting state: over a run of tokens, state_out = T @ state_in + h_ext, with h_ext
+[Dk, Dv] the state reached from zero and T [Dk, Dk] the product of the tokens' transitions exp(g_t) (I - beta_t k_t
+k_t^T). A document start inside the run zeroes T by itself (its decay is 0). So:
 
     rank 0        rank 1        rank 2          each rank: (T_r, h_r) of its tokens, one kernel call a run
     T_0, h_0      T_1, h_1      T_2, h_2        all-gather the pairs, then each folds those before it:
       |             |             |
     s_0 = 0  ->  s_1 = h_0  ->  s_2 = T_1 s_1 + h_1       s_r: the state rank r starts from, float32 or wider
 
-The same kernel gives the pair: append Dk zero columns to v and start from [0 | I]. A zero value column
-evolves by the transitions alone, so the final state is [h_ext | T]. The outputs come from that call too:
-o_t = o_t(from 0) + s^T (T_t^T q_t) / sqrt(Dk), and the appended columns' outputs are T_t^T q_t / sqrt(Dk) (T_t:
-the product of the transitions up to t). The convolution takes the W-1 tokens before each run from the ranks
-that hold them, all-gathered (zeros at the sequence start, with their document starts). Backward differentiates
-each rank's fold and sends every gathered piece's gradient back to its rank, summed. With a ring, zigzag gives a
-rank one or two runs of the sequence (`token_runs`), each a link of the chain. Any number of ranks, and the bytes
-do not grow with S: (P-1) x [Dk, Dv + Dk] a value head and W-1 tokens, per run slot and row, both ways alike.
+The same kernel gives the pair: append Dk zero columns to v and start from [0 | I]. A zero value column evolves by
+the transitions alone, so the final state is [h_ext | T]. That call gives the outputs too: o_t = o_t(from 0) + s^T
+(T_t^T q_t) / sqrt(Dk), and the appended columns' outputs are T_t^T q_t / sqrt(Dk) (T_t: the product of the
+transitions up to t). The convolution takes the W-1 tokens before each run from the ranks that hold them,
+all-gathered (zeros before the sequence; each token with its document-start flag). Backward differentiates each
+rank's fold and left contexts, and returns each gathered piece's gradient to its rank, summed. With a ring, zigzag
+gives a rank one or two runs of the sequence (`token_runs`), each a link of the chain. Any number of ranks, and the
+bytes do not grow with S: (P-1) x [Dk, Dv + Dk] a value head and W-1 tokens, per run slot and row, each way.
 
 The file reads: the recurrence, the chunked form, the convolution, the context-parallel way, gated_delta_net, the
 layer. It needs torch, ring.py, ulysses.py, documents.py and tiled.py. `python -m harness.bench deltanet` times
@@ -308,7 +308,7 @@ def left_contexts(x, starts, context, width, links):
     """x [B, L, C]: this rank's channels before the convolution; starts [B, L] its document starts (None: none);
     links: chain(context, L) -> for each of its runs the `width` tokens before it in the global sequence,
     [B, width, C + 1], the last channel 1.0 where a document starts; zeros before the first token. Every rank
-    sends `width` rows a run, its last tokens after zeros (a shorter run: the runs before it fill in)."""
+    sends `width` rows a run: its last tokens, after zeros if the run is shorter (the runs before it fill in)."""
     B, L, C = x.shape
     mine, before, n = links
     flags = x.new_zeros(B, L) if starts is None else starts.to(x.dtype)  # (B, L)

@@ -16,8 +16,9 @@ Per-document balance. Zigzag balances the causal work of ONE sequence (`ring_wor
 packed documents the work is each document's own triangle, so a rank that holds the tail of a long document does
 much more than one that holds short ones. `document_layout` cuts each long document as zigzag cuts a sequence
 instead: 2R chunks, rank r taking chunks r and 2R-1-r of it, and deals what remains (short documents whole where
-they fit) to the least busy rank. A rank then holds any rising set of positions: ring.shard_for_ring(..., layout=document_layout)
-returns each token's position (its token index), and ring_attention takes them as the layout.
+they fit) to the least busy rank. A rank then holds any rising set of positions:
+ring.shard_for_ring(..., layout=document_layout) returns each token's position (its token index), and
+ring_attention takes them as the layout.
 
     document    0 0 0 0 0 0 0 0 0 0 0 0 1 1 1 1     R = 2, every document cut (MIN_CHUNK = 1); each token's rank:
     zigzag      0 0 0 0 1 1 1 1 1 1 1 1 0 0 0 0     20 and 68 query-key pairs (`document_work` counts them)
@@ -71,8 +72,8 @@ def document_bounds(starts):
 
 def ring_work(R, L, layout, window=None):
     """Attention work per ring rank in a layout by name ("zigzag", "contiguous"): queries x keys of each block's cut
-    (ring.cut, the rectangle a kernel computes, masked pairs included) over the R steps. A list of R numbers; zigzag
-    makes them equal for causal attention."""
+    (ring.cut, the rectangle handed to the block kernel, masked pairs included) over the R steps. A list of R
+    numbers; zigzag makes them equal for causal attention."""
     def pairs(mine, theirs):
         part = cut(*key_ranges(token_index(layout, mine, R, L), token_index(layout, theirs, R, L), window))
         return 0 if part is None else (part[0].stop - part[0].start) * (part[1].stop - part[1].start)

@@ -4,7 +4,7 @@ under Ulysses sequence parallelism, with softmax attention or Gated DeltaNet (li
 
 The model sees only its rank's S/P tokens. All but the token mixing is per token and runs on them unchanged; tokens
 of different ranks meet only inside a layer's attention: Ulysses' all-to-alls (ulysses.py), a ring (ring.py), or
-Gated DeltaNet's passed state (deltanet.py). RoPE rotates each token by its position id in the full sequence.
+Gated DeltaNet's passed state and convolution context (deltanet.py). RoPE turns each token by its position id.
 
 A layer is softmax attention or, in hybrid models (Qwen3-Next: three Gated DeltaNet layers to one softmax layer),
 Gated DeltaNet, a linear attention with a recurrent state (deltanet.py). The MLP is GPT-2's (GELU) or Llama's
@@ -78,7 +78,7 @@ def rope_cos_sin(position_ids, head_dim, base):  # position ids [B, S] -> cos, s
     return angles.cos(), angles.sin()
 
 
-def apply_rope(x, cos, sin):  # x [B, S, H, D]: each pair (x_i, x_{i+D/2}) turned by position x the pair's frequency
+def apply_rope(x, cos, sin):  # x [B, S, H, D]: each pair (x_i, x_{i+D/2}) turned by position times the pair's frequency
     x1, x2 = x.chunk(2, dim=-1)
     return (x * cos + torch.cat([-x2, x1], dim=-1) * sin).to(x.dtype)
 
@@ -97,7 +97,7 @@ class Attention(nn.Module):
         B, S_local, _ = x.shape  # S_local = S/P: this rank's tokens
         qkv = self.qkv(x).view(B, S_local, -1, self.head_dim)  # (B, S/P, n_head + 2 n_kv_head, D)
         q, k, v = qkv.split([self.n_head, self.n_kv_head, self.n_kv_head], dim=2)  # (B, S/P, heads, D) each
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # rotated by their positions in the full sequence
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # rotated by their position ids
         # GPT.forward checks once that every rank holds alike shards, so the layer need not
         y = ulysses_attention(q, k, v, self.sp_group, attend, check=False, sinks=self.sinks)  # (B, S/P, n_head, D)
         return self.proj(y.flatten(2))  # (B, S/P, n_embd)
@@ -183,15 +183,15 @@ class Head(nn.Module):
 
 
 def layer_kernels(cfg, sp_group=None, ring_group=None):
-    """What each kind of layer computes, chosen once, where the model is built. Returns kernels(position_ids, packed,
-    token_index) -> {"a": the attn_fn of softmax layers, "d": Gated DeltaNet's function}, called once a batch: packed
-    documents need the gathered position ids (where documents start), a ring over them its tokens' token_index."""
+    """What each kind of layer computes, chosen once, where the model is built. Returns make_kernels(position_ids,
+    packed, token_index) -> {"a": the attn_fn of softmax layers, "d": Gated DeltaNet's function}, called once a batch:
+    packed documents need the gathered position ids (where documents start), a ring over them its token_index."""
     ring, window = size_and_rank(ring_group)[0] > 1, cfg.window or None  # ring: whether there is one
     if ring and "d" in cfg.layer_pattern and cfg.gdn_parallel == "ulysses":
         raise ValueError("gdn_parallel='ulysses' runs a Gated DeltaNet layer on its Ulysses group alone, which a ring "
                          "splits; use gdn_parallel='context' with a ring, or no ring")
 
-    def kernels(position_ids, packed, token_index):
+    def make_kernels(position_ids, packed, token_index):
         gathered = gather_sequence(position_ids, sp_group) if packed else None  # (B, S_local x Ulysses ranks)
         if ring or cfg.sinks:  # the ring's kernel takes sinks: with sinks and no ring, a ring of one rank
             layout = gather_sequence(token_index, sp_group) if packed and ring and token_index is not None else "zigzag"
@@ -204,7 +204,7 @@ def layer_kernels(cfg, sp_group=None, ring_group=None):
             attend = partial(sliding_window_attention, window=window) if window else causal_attention
         starts = (position_ids if cfg.gdn_parallel == "context" else gathered) == 0 if packed else None  # DeltaNet's
         return {"a": attend, "d": partial(gated_delta_net, starts=starts)}
-    return kernels
+    return make_kernels
 
 
 class GPT(nn.Module):

@@ -15,8 +15,8 @@ log sum_k exp(score_k). Two results over disjoint keys combine exactly (`merge`)
 
     lse = log(exp(lse_a) + exp(lse_b))          o = (exp(lse_a) o_a + exp(lse_b) o_b) / exp(lse)
 
-Backward passes the blocks around again and, beside block j, an accumulator (float32) for dk_j and dv_j: each rank
-adds its queries' term, and after R hops it is home, complete. dq stays with the queries.
+Backward passes the blocks around again and, beside block j, an accumulator (float32 or wider) for dk_j and dv_j:
+each rank adds its queries' term, and after R hops it is home, complete. dq stays with the queries.
 
 Zigzag. With contiguous blocks rank 0's queries see one block and rank R-1's see R. Zigzag cuts the sequence into
 2R chunks and gives rank r chunks r and 2R-1-r, one early and one late, so every rank does the same causal work
@@ -30,7 +30,7 @@ form a ring. `shard_for_ring` cuts the batch for it, and attention is one line:
 Positions rise along every layout, so a query's keys in a block are one run (`key_ranges`), causal or in a window;
 packed documents are first cut into runs of one document (`meeting_runs`). A fused kernel takes blocks that see
 every key, or causal ones; the einsum tiles, the readable reference, any other. A sink (gpt-oss: a logit per head
-in every softmax, with no value) is one last block to merge. The file reads down the call path; torch alone.
+in every softmax, with no value) is one last block to merge. The file reads down the call path; it needs torch.
 """
 
 from functools import partial
@@ -77,7 +77,7 @@ def ring_attention(q, k, v, group=None, layout=None, window=None, causal=True, s
     return (out, lse.transpose(1, 2)) if return_lse else out  # lse (B, Hq, L) -> (B, L, Hq)
 
 
-# The ring as two operators (custom_op: one call each to torch.compile, one graph unless position_ids are given), the
+# The ring as two operators (custom_op: one call each to torch.compile, so a graph never breaks at them), the
 # group by name. Inside: head-major views [B, heads, L, D]; indices [R, B or 1, L]; documents [B, S], or None.
 
 
@@ -301,8 +301,8 @@ def _cpu_flash_backward(dout, q, k, v, out, lse, causal, scale):
 
 def _cuda_forward(q, k, v, causal, scale, cudnn=False):
     """PyTorch's CUDA flash kernel takes the last dim contiguous, fp16 or bf16 alike for q, k, v, a head size that is a
-    multiple of 8 up to 256 (SDPA pads; this call does not), Hq a multiple of Hkv. cuDNN's: heads up to 128, two keys
-    or more (a one-key block is "full"), lse [B, Hq, Lq, 1], causal blocks only (a GPU held it to those)."""
+    multiple of 8 up to 256 (SDPA pads; this call does not), Hq a multiple of Hkv. cuDNN's: head size <= 128, two
+    keys or more (a one-key block is "full"), lse [B, Hq, Lq, 1], causal blocks only (a GPU held it to those)."""
     if cudnn and causal:
         out, lse = aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, True, scale=scale)[:2]
         return out.float(), lse.squeeze(-1)  # lse (B, Hq, Lq, 1) -> (B, Hq, Lq)
@@ -345,7 +345,7 @@ def key_ranges(q_index, k_index, window=None, causal=True):
 
 
 def cut(lo, hi):
-    """(rows, cols): the smallest slices holding every query that sees a key, and every key seen; None if none is."""
+    """(rows, cols): the smallest slices holding every query that sees a key, and every key seen; else None."""
     rows = (hi > lo).nonzero().flatten()
     if len(rows) == 0:
         return None

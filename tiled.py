@@ -11,7 +11,7 @@ sequence into T tiles and run the layer one tile at a time:
     x [B, S, h]    | tile 0 | tile 1 | tile 2 | tile 3 |      T = 4 tiles along dim 1
     forward        each tile under no_grad -> its output is kept, its [B, S/T, I] is freed at once; then the
                    tiles' outputs are joined into one [B, S, h]
-    between        only x is kept (the untiled layer keeps it too, as its first linear's input)
+    between        only x is kept (the untiled layer keeps it too, or under bf16 autocast a bf16 copy of it)
     backward       tile i is recomputed with grad, differentiated, and freed before tile i+1 starts
 
                       untiled                          tiled
@@ -21,16 +21,16 @@ sequence into T tiles and run the layer one tile at a time:
 
 Parameters are handed in explicitly: they are inputs of the autograd Function, and fn gets them as arguments.
 Backward takes each tile's parameter gradient with torch.autograd.grad (which writes nothing into .grad), sums the
-T of them in float32, and returns the sum in the parameter's dtype. So autograd accumulates each parameter's
+T of them in at least float32, and returns the sum in the parameter's dtype. So autograd accumulates each parameter's
 gradient ONCE per backward, as without tiling, and a post-accumulate-grad hook (where a ZeRO-3 sharder
 reduce-scatters the gradient) fires once, not T times. (A hook added with register_hook, by contrast, also sees
 every tile's partial gradient.)
 
-Every rank must run the same number of tiles: fn may run collectives (a sharder's hook on the MLP module itself
-would gather once per tile, in forward and again in backward), and a rank that makes one call fewer hangs the
-group. The tile count therefore depends only on n_tiles and S = x.shape[1], as min(n_tiles, S): every rank holds
-the same padded length S/P, so every rank computes the same count. ALST picks tiles of about h tokens (n_tiles =
-ceil(S/h)), so that a tile's [B, h, I] is B times the size of the MLP's weight [I, h] at any sequence length.
+Every rank must run the same number of tiles: fn may run collectives (were fn a module a sharder hooks, it would
+gather once per tile, in forward and again in backward), and a rank that makes one call fewer hangs the group. The
+tile count therefore depends only on n_tiles and S = x.shape[1], as min(n_tiles, S): every rank holds the same
+padded length S/P, so every rank computes the same count. ALST picks tiles of about h tokens (n_tiles = ceil(S/h)),
+so that a tile's [B, h, I] is B times the size of the MLP's weight [I, h] at any sequence length.
 
 This file depends on torch alone: copy it into your own project.
 """

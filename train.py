@@ -35,9 +35,9 @@ One optimizer step on the dp x sp mesh (sp = ring x ulysses), numbered as the co
      (ulysses.global_valid_tokens, counted before step 4); a batch without valid tokens gives 0, never NaN;
   6. (rule 4) backward; gradients are SUMMED over all dp x sp ranks (ZeRO-3 reduce-scatters with SUM). With step
      5 this is exactly the gradient one device would compute on the global batch: no 1/sp or 1/dp factor;
-  7. clip by the global gradient norm; sum the loss and accuracy of the global batch for the log (a non-finite
-     loss or gradient norm stops the run here, before the update); AdamW updates this rank's shard (all of the
-     model under --zero 0) at the step's learning rate (lr_at); the next forward gathers the new weights.
+  7. clip by the global gradient norm; sum the loss and accuracy of the global batch for the log (a non-finite loss
+     or gradient norm stops the run here, before the update); AdamW updates this rank's shard (all of the model
+     under --zero 0) at the step's learning rate (lr_at); ZeRO-3 and FSDP2 gather it in the next forward.
 A plain `python train.py` is a process group of one: the gradients' and the totals' all-reduces run there too (on
 one rank they copy); attention makes no all-to-all.
 """

@@ -17,14 +17,15 @@ state is 1/N of the model's too. Here N = 2:
                         all-gather block 1 | block 1's backward | reduce-scatter | free
                                     all-gather block 0 | block 0's backward | reduce-scatter | free  ...
 
-The all-gathers overlap: the one for the unit that runs next (forward: i+1, backward: i-1) starts once unit i's
-own gather is done, just before unit i computes, and runs while it does. The reduce-scatter waits where it is.
+The all-gathers overlap: the one for the unit that runs next (forward: i+1, backward: i-1) starts once unit i's own
+gather is done, just before unit i computes, and runs while it does. The reduce-scatter is not overlapped: it runs,
+and completes, inside the unit's gradient hook.
 
-Per forward and backward every parameter is all-gathered twice and its gradient reduce-scattered once:
-3*(N-1)/N of the model's elements sent per rank, 1.5x the all-reduce of plain data parallelism (in float32; the
-gathers move the compute dtype), for model state cut to 1/N. Besides its shards a rank holds the gathered copies
-of at most two units (the one computing, the one prefetched) and, during a unit's backward, that unit's full
-gradient (in the compute dtype, then in float32 for the reduce).
+Per forward and backward every parameter is all-gathered twice and its gradient reduce-scattered once: 3*(N-1)/N of
+the model's elements sent per rank, 1.5x the all-reduce of plain data parallelism (in bytes too when all is
+float32; bf16 gathers make it as many bytes as a float32 all-reduce), for model state cut to 1/N. Besides its
+shards a rank holds the gathered copies of at most two units (the one computing, the one prefetched) and, during a
+unit's backward, that unit's full gradient (in the compute dtype, then in float32 for the reduce).
 
 How: the module's parameters become views into one flat tensor `full` per unit, a leaf that requires grad.
 Freeing resizes its storage to 0 bytes; gathering resizes it back and all-gathers into it, so the views autograd
@@ -36,8 +37,8 @@ the loss is already divided by the valid-token count of the whole global batch, 
 Offloaded (ZeRO3(..., offload_to=torch.device("cpu")), ALST's single-GPU setting): the float32 shards, their
 gradients and with them AdamW's state live in CPU memory, 16 bytes a parameter / N (plus the compute-dtype buffer
 below), and AdamW steps there. The GPU keeps no model state between steps, only the gathered units: a gather copies
-the shard in the compute dtype from a host buffer (pinned on CUDA, so the copy does not wait), refilled by a
-gather when the shard has changed since; each reduced gradient goes to host memory at once.
+the shard in the compute dtype from a host buffer (pinned on CUDA, so the copy does not wait), refilled at a gather
+when the shard has changed since the last refill; each reduced gradient goes to host memory at once.
 
     host      shard fp32 -> bf16 buffer          shard.grad fp32 <-+         AdamW (moments, step)
                                  | copy                             | copy
