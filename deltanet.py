@@ -313,7 +313,7 @@ def left_contexts(x, starts, context, width, links):
     mine, before, n = links
     flags = x.new_zeros(B, L) if starts is None else starts.to(x.dtype)  # (B, L)
     flagged = torch.cat([x, flags[..., None]], dim=2)  # (B, L, C + 1): the flags ride along as one more channel
-    tails = [F.pad(flagged[:, i + l - min(width, l):i + l], (0, 0, width - min(width, l), 0)) for _, i, l in mine]
+    tails = [F.pad(flagged[:, i:i + l], (0, 0, width, 0))[:, l:] for _, i, l in mine]  # a run's last width rows
     tails += [torch.zeros_like(tails[0])] * (n - len(mine))  # (B, width, C + 1) each
 
     def lefts(every):  # (P, n, B, width, C + 1) -> (my runs, B, width, C + 1)
