@@ -162,7 +162,7 @@ def arrived(received, works, device):  # the block, on the device it goes on fro
 def _blocks(indices, q_rank, k_rank, kv, documents, window, causal):
     """The pieces of rank k_rank's block kv [2, B, L, Hkv, D] that rank q_rank's queries see: (batch, queries, keys:
     slices of the batch, the L queries, the L keys; lo, hi: query i sees keys[lo[i]:hi[i]]; k, v [B or 1, Hkv, keys,
-    D] views). With packed documents a piece pairs two runs of one document: without a window, a fused kernel's."""
+    D] views). Packed documents: a run of a document's queries with a run of its keys, fused unless windowed."""
     q_pos, k_pos = indices[q_rank], indices[k_rank]  # (B or 1, L) each: their positions
     if documents is None:  # (batch, where the queries and keys start in the blocks, their positions)
         parts = [(slice(None), 0, 0, q_pos[0], k_pos[0])]
