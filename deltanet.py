@@ -279,8 +279,8 @@ def zigzag_only(layout, ring_group):
 def token_runs(context, L):
     """Each rank's L local tokens as runs of consecutive global positions, in shard_for_sp's layout (zigzag with a
     ring): for rank r*U + u of the SP group (ring rank r, Ulysses rank u), [(first global position, first local
-    index, length)]. Two runs when a rank's tokens span both chunks of its ring rank (a Ulysses group of one rank, or
-    of an odd number and the rank in its middle), except on the last ring rank, whose two chunks meet; else one."""
+    index, length)]. Two runs where a rank's tokens span both chunks of its ring rank, unless the ring rank is the
+    last (its chunks meet): with U = 3, R = 2 and L = 6, rank 1 holds [(6, 0, 3), (27, 3, 3)]. Else one run."""
     (U, _), (R, _) = (size_and_rank(group) for group in context)
     runs = []
     for r in range(R):

@@ -124,7 +124,7 @@ def _ring_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, l
         for step in range(R):
             if step < R - 1:
                 incoming = pass_on(kv, group, "backward")
-            dkv = dq.new_zeros(kv.transpose(2, 3).shape)  # (2, B, Hkv, L, D): this step's share of dk and dv
+            dkv = dq.new_zeros(kv.transpose(2, 3).shape)  # (2, B, Hkv, L, D): my queries' terms for the block I hold
             for batch, queries, keys, lo, hi, block_k, block_v in _blocks(indices, r, (r - step) % R, kv, documents,
                                                                           window, causal):
                 dq_b, *dkv_b = block_gradients(q[batch, :, queries], block_k, block_v, out[batch, :, queries],
