@@ -91,16 +91,14 @@ def _ring_forward(q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None, documen
     kernel = block_kernel(q.device.type, q.dtype, q.shape[-1]) if fused else "tiles"  # chosen here, out of a trace
     with torch.autocast(q.device.type, enabled=False):  # the merge in float32 (or float64), whatever autocast
         q_heads = q.transpose(1, 2)  # (B, L, Hq, D) -> (B, Hq, L, D), a view; each kernel widens what it must
-        wide = torch.promote_types(q.dtype, torch.float32)
-        out = q_heads.new_zeros(q_heads.shape, dtype=wide)  # (B, Hq, L, D); the first block merged passes through
-        lse = q_heads.new_full(q_heads.shape[:-1], float("-inf"), dtype=wide)  # (B, Hq, L): no key yet
+        out = q_heads.new_zeros(q_heads.shape, dtype=torch.promote_types(q.dtype, torch.float32))  # (B, Hq, L, D)
+        lse = out.new_full(out.shape[:-1], float("-inf"))  # (B, Hq, L): no key yet, so the first block passes through
         kv = torch.stack([k, v])  # (2, B, L, Hkv, D): one message a step but the last, in the input dtype
         for step in range(R):  # at step s this rank holds the block of rank (r - s) mod R
             if step < R - 1:
                 incoming = pass_on(kv, group, "forward")  # sent while this block is computed on
-            for batch, queries, _, lo, hi, block_k, block_v in _blocks(indices, r, (r - step) % R, kv, documents,
-                                                                       window, causal):
-                o_b, lse_b = block_attention(q_heads[batch, :, queries], block_k, block_v, lo, hi, scale, kernel)
+            for batch, queries, _, lo, hi, k_b, v_b in _blocks(indices, r, step, kv, documents, window, causal):
+                o_b, lse_b = block_attention(q_heads[batch, :, queries], k_b, v_b, lo, hi, scale, kernel)
                 merge(out[batch, :, queries], lse[batch, :, queries], o_b, lse_b)
             if step < R - 1:
                 kv = arrived(*incoming, q.device)
@@ -125,9 +123,8 @@ def _ring_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, l
             if step < R - 1:
                 incoming = pass_on(kv, group, "backward")
             dkv = dq.new_zeros(kv.transpose(2, 3).shape)  # (2, B, Hkv, L, D): my queries' terms for the block I hold
-            for batch, queries, keys, lo, hi, block_k, block_v in _blocks(indices, r, (r - step) % R, kv, documents,
-                                                                          window, causal):
-                dq_b, *dkv_b = block_gradients(q[batch, :, queries], block_k, block_v, out[batch, :, queries],
+            for batch, queries, keys, lo, hi, k_b, v_b in _blocks(indices, r, step, kv, documents, window, causal):
+                dq_b, *dkv_b = block_gradients(q[batch, :, queries], k_b, v_b, out[batch, :, queries],
                                                lse[batch, :, queries], dout[batch, :, queries], lo, hi, scale, kernel)
                 dq[batch, :, queries] += dq_b
                 dkv[:, batch, :, keys] += torch.stack(dkv_b)  # (2, B or 1, Hkv, keys, D)
@@ -159,11 +156,15 @@ def arrived(received, works, device):  # the block, on the device it goes on fro
     return received.to(device)
 
 
-def _blocks(indices, q_rank, k_rank, kv, documents, window, causal):
-    """The pieces of rank k_rank's block kv [2, B, L, Hkv, D] that rank q_rank's queries see: (batch, queries, keys:
-    slices of the batch, the L queries, the L keys; lo, hi: query i sees keys[lo[i]:hi[i]]; k, v [B or 1, Hkv, keys,
-    D] views). Packed documents: a run of a document's queries with a run of its keys, fused unless windowed."""
-    q_pos, k_pos = indices[q_rank], indices[k_rank]  # (B or 1, L) each: their positions
+def _blocks(indices, r, step, kv, documents, window, causal):
+    """The pieces of the block kv [2, B, L, Hkv, D] that rank r holds at `step` which its queries see: (batch, queries,
+    keys: slices of the batch, the L queries, the L keys; lo, hi: query i sees keys[lo[i]:hi[i]]; k, v [B or 1, Hkv,
+    keys, D] views). Packed documents: a run of a document's queries with a run of its keys, fused unless windowed."""
+    if step == 0 and documents is None and window is None and causal:  # its own block: query i sees keys 0 .. i
+        hi = torch.arange(1, kv.shape[2] + 1)  # (L,), no search needed
+        yield slice(None), slice(None), slice(None), torch.zeros_like(hi), hi, *kv.transpose(2, 3)
+        return
+    q_pos, k_pos = indices[r], indices[(r - step) % len(indices)]  # (B or 1, L) each: the queries' and keys' positions
     if documents is None:  # (batch, where the queries and keys start in the blocks, their positions)
         parts = [(slice(None), 0, 0, q_pos[0], k_pos[0])]
     else:
@@ -177,8 +178,7 @@ def _blocks(indices, q_rank, k_rank, kv, documents, window, causal):
         rows, cols = part  # within the run's queries and keys; then within the blocks
         queries = slice(q_start + rows.start, q_start + rows.stop)
         keys = slice(k_start + cols.start, k_start + cols.stop)
-        block_k, block_v = kv[:, batch, keys].transpose(2, 3)  # (B or 1, Hkv, keys, D) each, views
-        yield batch, queries, keys, lo[rows] - cols.start, hi[rows] - cols.start, block_k, block_v
+        yield batch, queries, keys, lo[rows] - cols.start, hi[rows] - cols.start, *kv[:, batch, keys].transpose(2, 3)
 
 
 def meeting_runs(q_index, k_index, documents):
