@@ -14,7 +14,7 @@ The same step in two halves, as `gated_delta_rule` computes it:
     M   = exp(g_t) M_{t-1}                      forget: g_t <= 0 is the log of the decay
     M_t = M + beta_t k_t (v_t - M^T k_t)^T      learn: a gradient step on |M^T k_t - v_t|^2 / 2, rate beta_t
 
-q_t and k_t are L2-normalised and beta_t is in (0, 1), so the step moves what M returns for k_t a share beta_t
+q_t and k_t come L2-normalised and beta_t in (0, 1), so the step moves what M returns for k_t a share beta_t
 of the way to v_t. A document start resets the state: exp(g_t) = 0 there. The kernels take softmax attention's
 layout, one head per value head: q, k [B, S, H, Dk], v [B, S, H, Dv], g and beta [B, S, H], and `starts`, a
 bool [B, S] marking where documents start (None: one document a row) -> o [B, S, H, Dv].
@@ -28,9 +28,8 @@ over the S/C chunks. Every step of this algebra is an identity: nothing is dropp
 form equals the recurrence up to float round-off (the tests hold it there at 1e-10 in float64).
 `chunk_gated_delta_rule` writes the algebra out.
 
-The causal convolution. Before the rule, every channel of q, k and v mixes its own last W tokens (W is
-conv_width, 4 by default): a depthwise convolution that never looks ahead. Then silu. It restarts at every
-document start too.
+The causal convolution. Before the rule, every channel of q, k and v mixes its own last conv_width tokens (4 by
+default): a depthwise convolution that never looks ahead. Then silu. It restarts at every document start too.
 
 The layer. One projection turns x [B, S, h] into q and k [B, S, Hk, Dk], v and z [B, S, Hv, Dv], and b and a
 [B, S, Hv]. beta = sigmoid(b); g = -exp(A_log) softplus(a + dt_bias), with A_log and dt_bias per value head as
@@ -54,9 +53,9 @@ and back, on this rank's value heads; what needs every head of a token stays out
 
 Three all-to-alls a layer forward (q and k side by side to key heads, v, b and a to value heads, o back), and three
 in backward. Value heads are split over the ranks as query heads are, and each rank receives exactly the key heads
-its value heads use (`head_layout`, value heads in the role of query heads). So a value head never spans two ranks:
-at most Hv ranks, and the bytes grow with S. With packed documents, the starts come from the all-gathered global
-position ids, so a shard boundary is not taken for a document start.
+its value heads use (`head_layout`, value heads in the role of query heads). A value head stays whole on one rank (a
+key head may go to several): at most Hv ranks, and the bytes grow with S. With packed documents, the starts come
+from the all-gathered global position ids, so a shard boundary is not taken for a document start.
 
 The context-parallel way (gdn_parallel="context") moves the state instead. Each rank keeps its own tokens with all
 heads. The rule is affine in its starting state: over a run of tokens, state_out = T @ state_in + h_ext, with h_ext
@@ -71,11 +70,11 @@ k_t^T). A document start inside the run zeroes T by itself (its decay is 0). So:
 The same kernel gives the pair: append Dk zero columns to v and start from [0 | I]. A zero value column evolves by
 the transitions alone, so the final state is [h_ext | T]. That call gives the outputs too: o_t = o_t(from 0) + s^T
 (T_t^T q_t) / sqrt(Dk), and the appended columns' outputs are T_t^T q_t / sqrt(Dk) (T_t: the product of the
-transitions up to t). The convolution takes the W-1 tokens before each run from the ranks that hold them,
+transitions up to t). The convolution takes the conv_width-1 tokens before each run from the ranks that hold them,
 all-gathered (zeros before the sequence; each token with its document-start flag). Backward differentiates each
 rank's fold and left contexts, and returns each gathered piece's gradient to its rank, summed. With a ring, zigzag
 gives a rank one or two runs of the sequence (`token_runs`), each a link of the chain. Any number of ranks, and the
-bytes do not grow with S: (P-1) x [Dk, Dv + Dk] a value head and W-1 tokens, per run slot and row, each way.
+bytes do not grow with S: (P-1) x [Dk, Dv + Dk] a value head and conv_width-1 tokens, per run slot and row, each way.
 
 The file reads: the recurrence, the chunked form, the convolution, the context-parallel way, gated_delta_net, the
 layer. It needs torch, ring.py, ulysses.py, documents.py and tiled.py. `python -m harness.bench deltanet` times
@@ -126,7 +125,7 @@ def gated_delta_rule(q, k, v, g, beta, starts=None):
     outputs = []
     for t in range(q.shape[1]):
         M = decay[:, t, :, None, None] * M
-        error = v[:, t] - torch.einsum("bhkv,bhk->bhv", M, k[:, t])  # (B, H, Dv): what M predicts for k, wrongly
+        error = v[:, t] - torch.einsum("bhkv,bhk->bhv", M, k[:, t])  # (B, H, Dv): v_t minus what M returns for k_t
         M = M + beta[:, t, :, None, None] * k[:, t, :, :, None] * error[:, :, None, :]
         outputs.append(torch.einsum("bhkv,bhk->bhv", M, q[:, t]) * q.shape[-1] ** -0.5)  # (B, H, Dv)
     return torch.stack(outputs, dim=1)  # (B, S, H, Dv)
@@ -156,29 +155,29 @@ def chunk_gated_delta_rule(q, k, v, g, beta, starts=None, chunk_size=64, initial
 
     q, k, v, g, beta = map(chunked, (q * Dk ** -0.5, k, v, g, beta))  # (B, H, n, C, Dk or Dv); g, beta (B, H, n, C)
     starts = torch.zeros(B, S, dtype=torch.bool, device=q.device) if starts is None else starts
-    document = F.pad(starts, (0, n * C - S)).reshape(B, 1, n, C).cumsum(-1)  # (B, 1, n, C): 0 = the one entered
+    document = F.pad(starts, (0, n * C - S)).reshape(B, 1, n, C).cumsum(-1)  # (B, 1, n, C): 0 = M0's
     G = g.cumsum(-1)  # (B, H, n, C)
     causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()  # (C, C)
     same_document = (document[..., :, None] == document[..., None, :]) & causal  # (B, 1, n, C, C)
     Dec = _masked_exp(G[..., :, None] - G[..., None, :], same_document)  # (B, H, n, C, C)
-    from_start = _masked_exp(G, document == 0)  # (B, H, n, C): decay from M0 to token t
-    to_end = _masked_exp(G[..., -1:] - G, document == document[..., -1:])  # (B, H, n, C): token t to chunk end
-    # the UT transform, for every chunk at once: one triangular solve gives U~ and W
+    from_start = _masked_exp(G, document == 0)  # (B, H, n, C): exp(G), M0 to token t
+    to_end = _masked_exp(G[..., -1:] - G, document == document[..., -1:])  # (B, H, n, C): exp(G_C - G)
+    # the UT transform, for every chunk at once: one triangular solve of [beta V | beta exp(G) K] gives U~ and W
     A = (beta[..., None] * (k @ k.transpose(-1, -2)) * Dec).tril(-1)  # (B, H, n, C, C)
-    right = torch.cat([beta[..., None] * v, (beta * from_start)[..., None] * k], dim=-1)  # (B, H, n, C, Dv + Dk)
+    rhs = torch.cat([beta[..., None] * v, (beta * from_start)[..., None] * k], dim=-1)  # (B, H, n, C, Dv + Dk)
     eye = torch.eye(C, dtype=q.dtype, device=q.device)
-    solved = torch.linalg.solve_triangular(eye + A, right, upper=False, unitriangular=True)  # (B, H, n, C, Dv + Dk)
+    solved = torch.linalg.solve_triangular(eye + A, rhs, upper=False, unitriangular=True)  # (B, H, n, C, Dv + Dk)
     U_tilde, W = solved.split([Dv, Dk], -1)  # (B, H, n, C, Dv), (B, H, n, C, Dk)
     # the one sequential part: the state, carried across chunks
-    M, states, values = q.new_zeros(B, H, Dk, Dv) if initial_state is None else initial_state.to(q.dtype), [], []
+    M, entering, U = q.new_zeros(B, H, Dk, Dv) if initial_state is None else initial_state.to(q.dtype), [], []
     k_to_end = (k * to_end[..., None]).transpose(-1, -2)  # (B, H, n, Dk, C)
     for i in range(n):
         u = U_tilde[:, :, i] - W[:, :, i] @ M  # (B, H, C, Dv)
-        states.append(M)
-        values.append(u)
+        entering.append(M)  # M0 of chunk i
+        U.append(u)
         M = from_start[:, :, i, -1, None, None] * M + k_to_end[:, :, i] @ u  # (B, H, Dk, Dv)
-    states, U = torch.stack(states, dim=2), torch.stack(values, dim=2)  # (B, H, n, Dk, Dv), (B, H, n, C, Dv)
-    o = (q * from_start[..., None]) @ states + ((q @ k.transpose(-1, -2)) * Dec) @ U  # (B, H, n, C, Dv)
+    entering, U = torch.stack(entering, dim=2), torch.stack(U, dim=2)  # (B, H, n, Dk, Dv), (B, H, n, C, Dv)
+    o = (q * from_start[..., None]) @ entering + ((q @ k.transpose(-1, -2)) * Dec) @ U  # (B, H, n, C, Dv)
     o = o.reshape(B, H, n * C, Dv)[:, :, :S].transpose(1, 2)  # (B, S, H, Dv)
     return (o, M) if output_final_state else o
 
@@ -189,21 +188,21 @@ def _masked_exp(log_decay, keep):
 
 
 def causal_conv1d(x, weight, starts=None):
-    """Depthwise causal convolution over the sequence, restarting at every document: x [B, S, channels], weight
-    [channels, W] -> [B, S, channels], out_t = sum_i weight[:, W-1-i] * x_{t-i} over the tokens of t's document."""
-    B, S, C = x.shape
+    """Depthwise causal convolution over the sequence, restarting at every document: x [B, S, ch], weight [ch, taps]
+    -> [B, S, ch], out_t = sum_i weight[:, taps-1-i] * x_{t-i} over the tokens of t's document (ch: channels)."""
+    B, S, ch = x.shape
     if starts is None:
-        return _causal_conv(x, weight)  # (B, S, C)
+        return _causal_conv(x, weight)  # (B, S, ch)
     bounds = document_bounds(starts).tolist()
-    stream = x.reshape(1, B * S, C)  # the batch as one stream of documents
-    documents = [_causal_conv(stream[:, s:e], weight) for s, e in zip(bounds[:-1], bounds[1:])]  # (1, n, C) each
-    return torch.cat(documents, dim=1).view(B, S, C)  # (1, B*S, C) -> (B, S, C)
+    stream = x.reshape(1, B * S, ch)  # the batch as one stream of documents
+    documents = [_causal_conv(stream[:, s:e], weight) for s, e in zip(bounds[:-1], bounds[1:])]  # (1, length, ch) each
+    return torch.cat(documents, dim=1).view(B, S, ch)  # (1, B*S, ch) -> (B, S, ch)
 
 
 def _causal_conv(x, weight):
-    """x [B, n, C] -> [B, n, C]: the convolution over n tokens, zero before the first."""
-    x = F.pad(x.transpose(1, 2), (weight.shape[1] - 1, 0))  # (B, C, W-1 + n)
-    return F.conv1d(x, weight[:, None], groups=x.shape[1]).transpose(1, 2)  # (B, C, n) -> (B, n, C)
+    """x [B, L, ch] -> [B, L, ch]: the convolution over L tokens, zero before the first."""
+    x = F.pad(x.transpose(1, 2), (weight.shape[1] - 1, 0))  # (B, ch, taps-1 + L)
+    return F.conv1d(x, weight[:, None], groups=x.shape[1]).transpose(1, 2)  # (B, ch, L) -> (B, L, ch)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -225,15 +224,15 @@ def _all_to_all_sum(grad, group):
     received = torch.empty_like(send)  # (P, ...): row i is rank i's gradient of my piece
     dist.all_to_all_single(received, send, group=group)
     context_stats["backward"] += send.nbytes * (P - 1) // P  # row `rank` stays here
-    return received.sum(0)
+    return received.sum(0)  # (...): my piece's gradient from every rank
 
 
 class _GatherThen(torch.autograd.Function):
-    """fn(every rank's x), x [n, ...] one slot per run of this rank (n: the most any rank has; zeros in a spare
-    slot), gathered to [P, n, ...] in the order (ring rank, Ulysses rank): an all-gather over the Ulysses group,
-    then one over the ring. Backward: fn's gradient for every rank's x, and each rank's summed back to it. Gather
-    and fn are one step of autograd on purpose: the rank whose runs come first uses nothing it gathered, and
-    autograd would skip the backward of a gather whose result is unused, leaving the other ranks waiting."""
+    """fn(every rank's x), x [slots, ...] one slot per run of this rank (slots: the most runs a rank has; a spare
+    slot holds zeros), gathered to [P, slots, ...] in the order (ring rank, Ulysses rank): an all-gather over the
+    Ulysses group, then one over the ring. Backward: fn's gradient for every rank's x, each rank's summed back to
+    it. Gather and fn are one step of autograd on purpose: the rank whose runs come first uses nothing it gathered,
+    and autograd would skip the backward of a gather whose result is unused, leaving the other ranks waiting."""
 
     @staticmethod
     def forward(ctx, x, context, fn):
@@ -241,15 +240,15 @@ class _GatherThen(torch.autograd.Function):
         for group in context:
             P = size_and_rank(group)[0]
             if P == 1:
-                every = every[None]
+                every = every[None]  # (1, ...)
                 continue
             parts = [torch.empty_like(every) for _ in range(P)]
             dist.all_gather(parts, every, group=group)
             context_stats["forward"] += every.nbytes * (P - 1)  # what I hold so far, to each other rank
-            every = torch.stack(parts)  # (U, n, ...), then (R, U, n, ...)
+            every = torch.stack(parts)  # (U, slots, ...), then (R, U, slots, ...)
         ctx.context, ctx.fn = context, fn
         ctx.save_for_backward(every)
-        return fn(every.flatten(0, 1))  # fn of (P, n, ...)
+        return fn(every.flatten(0, 1))  # fn of (P, slots, ...)
 
     @staticmethod
     def backward(ctx, grad):
@@ -257,11 +256,11 @@ class _GatherThen(torch.autograd.Function):
         with torch.enable_grad():
             every = every.detach().requires_grad_()
             mine = ctx.fn(every.flatten(0, 1))
-        # (R, U, n, ...); zeros where my result used none of it (my runs come first)
+        # (R, U, slots, ...); zeros where my result used none of it (my runs come first)
         grad = torch.autograd.grad(mine, every, grad, materialize_grads=True)[0] if mine.requires_grad else \
             torch.zeros_like(every)
-        for group in reversed(ctx.context):  # the ring's rows first, then the Ulysses group's
-            grad = grad[0] if size_and_rank(group)[0] == 1 else _all_to_all_sum(grad, group)  # (U, n, ...), (n, ...)
+        for group in reversed(ctx.context):  # the ring's, then the Ulysses group's: (R, U, slots, ...) -> (slots, ...)
+            grad = grad[0] if size_and_rank(group)[0] == 1 else _all_to_all_sum(grad, group)
         return grad, None, None
 
 
@@ -278,7 +277,7 @@ def zigzag_only(layout, ring_group):
 
 def token_runs(context, L):
     """Each rank's L local tokens as runs of consecutive global positions, in shard_for_sp's layout (zigzag with a
-    ring): for rank r*U + u of the SP group (ring rank r, Ulysses rank u), [(first global position, first local
+    ring): for rank r*U + u of the U*R ranks (ring rank r, Ulysses rank u), [(first global position, first local
     index, length)]. Two runs where a rank's tokens span both chunks of its ring rank, unless the ring rank is the
     last (its chunks meet): with U = 3, R = 2 and L = 6, rank 1 holds [(6, 0, 3), (27, 3, 3)]. Else one run."""
     (U, _), (R, _) = (size_and_rank(group) for group in context)
@@ -292,47 +291,47 @@ def token_runs(context, L):
 
 
 def chain(context, L):
-    """(mine, before, n): this rank's runs [(first global position, first local index, length)]; for each of them
+    """(mine, before, slots): this rank's runs [(first global position, first local index, length)]; for each of them
     the runs that come before it in the global sequence, in order, as (rank, slot, length), slot being the run's
-    place on its rank; and n, the most runs a rank has (every rank sends n, so that all gathers match)."""
+    place on its rank; and slots, the most runs a rank has (every rank sends that many, so that all gathers match)."""
     runs = token_runs(context, L)
     (U, u), (_, r) = (size_and_rank(group) for group in context)
-    links = sorted((start, rank, slot, length) for rank, its in enumerate(runs)
-                   for slot, (start, _, length) in enumerate(its))
+    ordered = sorted((start, rank, slot, length) for rank, its in enumerate(runs)
+                     for slot, (start, _, length) in enumerate(its))
     mine = runs[r * U + u]
-    before = [[(rank, slot, length) for first, rank, slot, length in links if first < start] for start, _, _ in mine]
+    before = [[(rank, slot, length) for first, rank, slot, length in ordered if first < start] for start, _, _ in mine]
     return mine, before, max(map(len, runs))
 
 
 def left_contexts(x, starts, context, width, links):
-    """x [B, L, C]: this rank's channels before the convolution; starts [B, L] its document starts (None: none);
+    """x [B, L, ch]: this rank's channels before the convolution; starts [B, L] its document starts (None: none);
     links: chain(context, L) -> for each of its runs the `width` tokens before it in the global sequence,
-    [B, width, C + 1], the last channel 1.0 where a document starts; zeros before the first token. Every rank
+    [B, width, ch + 1], the last channel 1.0 where a document starts; zeros before the first token. Every rank
     sends `width` rows a run: its last tokens, after zeros if the run is shorter (the runs before it fill in)."""
-    B, L, C = x.shape
-    mine, before, n = links
+    B, L, ch = x.shape
+    mine, before, slots = links
     flags = x.new_zeros(B, L) if starts is None else starts.to(x.dtype)  # (B, L)
-    flagged = torch.cat([x, flags[..., None]], dim=2)  # (B, L, C + 1): the flags ride along as one more channel
+    flagged = torch.cat([x, flags[..., None]], dim=2)  # (B, L, ch + 1): the flags ride along as one more channel
     tails = [F.pad(flagged[:, i:i + l], (0, 0, width, 0))[:, l:] for _, i, l in mine]  # a run's last width rows
-    tails += [torch.zeros_like(tails[0])] * (n - len(mine))  # (B, width, C + 1) each
+    tails += [torch.zeros_like(tails[0])] * (slots - len(mine))  # (B, width, ch + 1) each
 
-    def lefts(every):  # (P, n, B, width, C + 1) -> (my runs, B, width, C + 1)
-        zeros = every.new_zeros(B, width, C + 1)  # what lies before the sequence
+    def lefts(every):  # (P, slots, B, width, ch + 1) -> (my runs, B, width, ch + 1)
+        zeros = every.new_zeros(B, width, ch + 1)  # before the sequence; then each earlier run's rows, not its padding
         return torch.stack([torch.cat([zeros, *(every[rank, slot, :, width - min(width, length):]
                                                 for rank, slot, length in earlier)], dim=1)[:, -width:]
                             for earlier in before])
-    return _GatherThen.apply(torch.stack(tails), context, lefts)
+    return _GatherThen.apply(torch.stack(tails), context, lefts)  # (my runs, B, width, ch + 1)
 
 
 def context_conv1d(x, weight, starts, lefts, mine):
-    """causal_conv1d over each of this rank's runs after its left context: x [B, L, C] -> [B, L, C]."""
+    """causal_conv1d over each of this rank's runs after its left context: x [B, L, ch] -> [B, L, ch]."""
     width = weight.shape[1] - 1
     out = []
     for left, (_, i, l) in zip(lefts, mine):
-        run = torch.cat([left[..., :-1], x[:, i:i + l]], dim=1)  # (B, width + l, C)
+        run = torch.cat([left[..., :-1], x[:, i:i + l]], dim=1)  # (B, width + l, ch)
         run_starts = None if starts is None else torch.cat([left[..., -1] > 0, starts[:, i:i + l]], dim=1)
-        out.append(causal_conv1d(run, weight, run_starts)[:, width:])  # (B, l, C)
-    return torch.cat(out, dim=1)  # (B, L, C)
+        out.append(causal_conv1d(run, weight, run_starts)[:, width:])  # (B, l, ch)
+    return torch.cat(out, dim=1)  # (B, L, ch)
 
 
 def context_gated_delta_rule(q, k, v, g, beta, starts, context, links):
@@ -342,7 +341,7 @@ def context_gated_delta_rule(q, k, v, g, beta, starts, context, links):
     starting state."""
     B, _, H, Dk = q.shape
     Dv = v.shape[-1]
-    mine, before, n = links
+    mine, before, slots = links
     identity = torch.eye(Dk, dtype=q.dtype, device=q.device).expand(B, H, Dk, Dk)  # (B, H, Dk, Dk)
     zero_and_identity = torch.cat([q.new_zeros(B, H, Dk, Dv), identity], dim=-1)  # (B, H, Dk, Dv + Dk): [0 | I]
     outputs, summaries = [], []
@@ -353,9 +352,9 @@ def context_gated_delta_rule(q, k, v, g, beta, starts, context, links):
                                           initial_state=zero_and_identity, output_final_state=True)
         outputs.append(o)  # (B, l, H, Dv + Dk): the outputs from state 0, then T_t^T q_t / sqrt(Dk)
         summaries.append(final)  # (B, H, Dk, Dv + Dk): [h_ext | T]
-    summaries += [torch.zeros_like(summaries[0])] * (n - len(mine))
+    summaries += [torch.zeros_like(summaries[0])] * (slots - len(mine))
 
-    def fold(every):  # (P, n, B, H, Dk, Dv + Dk) -> (my runs, B, H, Dk, Dv): the state each of my runs starts from
+    def fold(every):  # (P, slots, B, H, Dk, Dv + Dk) -> (my runs, B, H, Dk, Dv): the state each run starts from
         starting = []
         for earlier in before:
             state = q.new_zeros(B, H, Dk, Dv)  # (B, H, Dk, Dv), in the kernel's float32 (or wider)
@@ -373,7 +372,7 @@ def context_gated_delta_rule(q, k, v, g, beta, starts, context, links):
 
 
 def gated_delta_net(q, k, v, b, a, conv_weight, A_log, dt_bias, key_of_value=None, starts=None, context=None):
-    """What a Gated DeltaNet layer computes over the full sequence, for some of its heads: q and k [B, S, hk, Dk]
+    """What a Gated DeltaNet layer computes between its projections, for some of its heads: q and k [B, S, hk, Dk]
     and v [B, S, hv, Dv] before the convolution, b and a [B, S, hv, 1] (the inputs of beta and of the decay), the
     slices of the per-head parameters for those heads, and key_of_value, for each value head the index of its key
     head among the hk (None: hk = hv, one each) -> o [B, S, hv, Dv]. It computes in float32 with autocast off,
@@ -388,13 +387,13 @@ def gated_delta_net(q, k, v, b, a, conv_weight, A_log, dt_bias, key_of_value=Non
     qkv = torch.cat([q.flatten(2), k.flatten(2), v.flatten(2)], dim=2)  # (B, S, 2*hk*Dk + hv*Dv): the channels
     if context is not None:  # the left context of each run travels in the inputs' dtype
         links = chain(context, S)
-        lefts = left_contexts(qkv, starts, context, conv_weight.shape[1] - 1, links)
+        lefts = left_contexts(qkv, starts, context, conv_weight.shape[1] - 1, links)  # (my runs, B, taps-1, ch + 1)
     with torch.autocast(q.device.type, enabled=False):
         qkv, b, a, conv_weight, A_log, dt_bias = map(at_least_float32, (qkv, b, a, conv_weight, A_log, dt_bias))
         if context is None:
             channels = F.silu(causal_conv1d(qkv, conv_weight, starts))  # (B, S, 2*hk*Dk + hv*Dv)
         else:
-            channels = F.silu(context_conv1d(qkv, conv_weight, starts, at_least_float32(lefts), links[0]))
+            channels = F.silu(context_conv1d(qkv, conv_weight, starts, at_least_float32(lefts), links[0]))  # the same
         q, k, v = channels.split([hk * Dk, hk * Dk, hv * Dv], dim=2)  # (B, S, hk*Dk) twice, (B, S, hv*Dv)
         q, k = (F.normalize(t.view(B, S, hk, Dk), dim=-1) for t in (q, k))  # (B, S, hk, Dk)
         if key_of_value is not None:  # each value head gets its key head's q and k
@@ -404,7 +403,7 @@ def gated_delta_net(q, k, v, b, a, conv_weight, A_log, dt_bias, key_of_value=Non
         if context is None:
             o = chunk_gated_delta_rule(q, k, v.view(B, S, hv, Dv), g, beta, starts)  # (B, S, hv, Dv)
         else:
-            o = context_gated_delta_rule(q, k, v.view(B, S, hv, Dv), g, beta, starts, context, links)
+            o = context_gated_delta_rule(q, k, v.view(B, S, hv, Dv), g, beta, starts, context, links)  # the same
     return o.to(dtype)
 
 
@@ -420,11 +419,11 @@ class GatedDeltaNet(nn.Module):
         self.parallel = cfg.gdn_parallel  # "ulysses" or "context"
         # q, k (Hk*Dk each), v, z (Hv*Dv each), b, a (Hv each)
         self.in_proj = nn.Linear(cfg.n_embd, 2 * Hk * Dk + 2 * Hv * Dv + 2 * Hv, bias=False)
-        W = cfg.conv_width
-        self.conv_qk = nn.Parameter(torch.empty(2, Hk, Dk, W).uniform_(-1, 1) / W ** 0.5)  # q's and k's channels
-        self.conv_v = nn.Parameter(torch.empty(Hv, Dv, W).uniform_(-1, 1) / W ** 0.5)  # v's
+        taps = cfg.conv_width  # the causal convolution's weights per channel
+        self.conv_qk = nn.Parameter(torch.empty(2, Hk, Dk, taps).uniform_(-1, 1) / taps ** 0.5)  # q's and k's channels
+        self.conv_v = nn.Parameter(torch.empty(Hv, Dv, taps).uniform_(-1, 1) / taps ** 0.5)  # v's
         self.A_log = nn.Parameter(torch.empty(Hv).uniform_(1, 16).log())  # decay rates, as in Mamba2
-        dt = torch.empty(Hv).uniform_(math.log(1e-3), math.log(0.1)).exp()
+        dt = torch.empty(Hv).uniform_(math.log(1e-3), math.log(0.1)).exp()  # (Hv,)
         self.dt_bias = nn.Parameter(dt + torch.log(-torch.expm1(-dt)))  # softplus(dt_bias) = dt
         self.norm = GatedRMSNorm(Dv, eps=1e-6)
         self.proj = nn.Linear(Hv * Dv, cfg.n_embd, bias=False)
@@ -454,7 +453,7 @@ class GatedDeltaNet(nn.Module):
             (q, k), (v, b, a) = qk.split(Dk, dim=-1), vba.split([Dv, 1, 1], dim=-1)  # (B, S, h, *) each
         key_of_value = [h // (Hv // Hk) - mine_k.start for h in mine_v] if Hk < Hv else None
         conv = torch.cat([self.conv_qk[:, mine_k.start:mine_k.stop].flatten(0, 2),
-                          self.conv_v[mine_v.start:mine_v.stop].flatten(0, 1)])  # (2*hk*Dk + hv*Dv, W): my channels
+                          self.conv_v[mine_v.start:mine_v.stop].flatten(0, 1)])  # (2*hk*Dk + hv*Dv, taps): my channels
         o = attend(q, k, v, b, a, conv, self.A_log[mine_v.start:mine_v.stop], self.dt_bias[mine_v.start:mine_v.stop],
                    key_of_value, context=context)  # (B, S, hv, Dv); with context (B, S_local, Hv, Dv)
         if context is None:
@@ -477,17 +476,17 @@ class GatedDeltaNet(nn.Module):
 
     def context_bytes(self, batch, tokens, element_bytes):
         """(forward, backward) bytes this rank sends per call on the context-parallel way, `tokens` local tokens in
-        each of `batch` rows: for each of n runs (token_runs: 1 or 2) and row, to each of the P-1 other ranks, the
-        summary [h_ext | T], [Dk, Dv + Dk] a value head in float32 (or wider), and the last W-1 tokens before the
-        convolution (2*Hk*Dk + Hv*Dv channels and a start flag) in the compute dtype. Backward: the same bytes."""
+        each of `batch` rows: per run slot (the most runs a rank has: 1 or 2) and row, to each of the P-1 other ranks,
+        the summary [h_ext | T], [Dk, Dv + Dk] a value head in float32 (or wider), and the last conv_width-1 tokens
+        before the convolution (2*Hk*Dk + Hv*Dv channels, a start flag) in the inputs' dtype. Backward the same."""
         Hk, Hv, Dk, Dv = self.dims
         if self.parallel != "context":
             return 0, 0
         context = (self.sp_group, self.ring_group)
         P = size_and_rank(self.sp_group)[0] * size_and_rank(self.ring_group)[0]
-        n, width = chain(context, tokens)[2], self.conv_v.shape[-1] - 1
+        slots, width = chain(context, tokens)[2], self.conv_v.shape[-1] - 1
         run = Hv * Dk * (Dv + Dk) * max(4, element_bytes) + width * (2 * Hk * Dk + Hv * Dv + 1) * element_bytes
-        sent = (P - 1) * n * batch * run
+        sent = (P - 1) * slots * batch * run
         return sent, sent
 
 
