@@ -1,6 +1,6 @@
 """
 Ring attention: causal attention over a sequence split across the R ranks of a ring. Each rank keeps its queries,
-with every head, while the keys and values travel. With ulysses.py: Ulysses x Ring (USP), more ranks than heads.
+with every head, while the keys and values travel. With ulysses.py: Ulysses x Ring (USP), for more ranks than heads.
 
 Rank r holds L = S/R tokens. At each of R steps it attends its queries to the key/value block it holds; in all
 but the last it meanwhile sends that block to rank r+1 and receives rank r-1's. Then every query has met every key:
@@ -27,7 +27,7 @@ form a ring. `shard_for_ring` cuts the batch for it, and attention is one line:
 
     ulysses_attention(q, k, v, ulysses_group, partial(ring_attention, group=ring_group, layout="zigzag"))
 
-Positions rise along every layout, so a query's keys in a block are one run (`key_ranges`), causal or in a window;
+Token indices rise along every layout, so a query's keys in a block are one run (`key_ranges`), causal or in a window;
 packed documents are first cut into runs of one document (`meeting_runs`). A fused kernel takes blocks that see
 every key, or causal ones; the einsum tiles, the readable reference, any other. A sink (gpt-oss: a logit per head
 in every softmax, with no value) is one last block to merge. The file reads down the call path; it needs torch.
@@ -47,12 +47,12 @@ aten = torch.ops.aten  # PyTorch's kernels by name (test_kernels.py puts CPU sta
 def ring_attention(q, k, v, group=None, layout=None, window=None, causal=True, scale=None, return_lse=False,
                    fused=True, position_ids=None, sinks=None):
     """Attention over a sequence split over the R ranks of `group` (None: this rank alone). q [B, L, Hq, D], k and v
-    [B, L, Hkv, D], each contiguous -> [B, L, Hq, D] (return_lse: also the log-sum-exp [B, L, Hq], float32 or wider,
-    no gradient). layout: as the tokens were sharded, "zigzag" (shard_for_ring), "contiguous", or [B, L], each
-    token's position (shard_for_ring's token index). window: the last `window` tokens, its own included. position_ids
-    [B, L]: 0 where a packed document starts. sinks [Hq]: a logit per query head. fused=False: the einsum tiles."""
+    [B, L, Hkv, D], each contiguous -> [B, L, Hq, D] (return_lse: also the log-sum-exp [B, L, Hq], sinks included,
+    float32 or wider, no gradient). layout: how the tokens were sharded: "zigzag" (shard_for_ring), "contiguous", or
+    each token's index in the padded sequence [B, L]. window: the last `window` tokens, its own included (0: no window).
+    position_ids [B, L]: 0 where a packed document starts. sinks [Hq]: a logit per query head. fused=False: tiles."""
     R = size_and_rank(group)[0]
-    given = torch.is_tensor(layout)  # each token's position, not a layout by name
+    given = torch.is_tensor(layout)  # each token's index, not a layout by name
     if ((R > 1 and not given and layout not in ("zigzag", "contiguous")) or
             (given and (layout.shape != q.shape[:2] or position_ids is None))):
         raise ValueError(f"layout={tuple(layout.shape) if given else layout!r}: a ring of {R} ranks needs the layout "
@@ -61,17 +61,17 @@ def ring_attention(q, k, v, group=None, layout=None, window=None, causal=True, s
     if window and not causal:
         raise ValueError("a sliding window looks back from each query: use it with causal=True")
     if not torch.compiler.is_compiling():
-        check_same_inputs(q, k, v, sinks, group)  # one error on every rank, before a check below refuses on one
+        check_same_inputs(q, k, v, sinks, group)  # one error on every rank, before the check below refuses on one
     if R > 1 and layout == "zigzag" and q.shape[1] % 2:
         raise ValueError(f"{q.shape[1]} tokens on this rank: zigzag's two equal chunks need an even number")
-    indices = (gather_ring(layout, group).cpu() if given else  # (R, B, L): every ring rank's positions, or (R, 1, L)
+    indices = (gather_ring(layout, group).cpu() if given else  # (R, B, L): each ring rank's token indices, or (R, 1, L)
                torch.stack([token_index(layout if R > 1 else "contiguous", j, R, q.shape[1])[None] for j in range(R)]))
     documents = None
-    if position_ids is not None:  # each position's document, counting where positions are 0: [B, S], in order
-        every = gather_ring(position_ids, group).cpu()  # (R, B, L): one all-gather, the ranks' ids in rank order
-        at = indices.expand_as(every).transpose(0, 1).flatten(1)  # (B, R*L) = (B, S): where each of them sits
-        sequence = every.new_empty(at.shape).scatter_(1, at, every.transpose(0, 1).flatten(1))  # (B, S), in order
-        documents = (sequence == 0).cumsum(1)  # (B, S)
+    if position_ids is not None:  # each token index's document, a new one wherever position_ids is 0: [B, S]
+        ids = gather_ring(position_ids, group).cpu()  # (R, B, L): every ring rank's position_ids, one all-gather
+        where = indices.expand_as(ids).transpose(0, 1).flatten(1)  # (B, R*L) = (B, S): each id's token index
+        in_order = ids.new_empty(where.shape).scatter_(1, where, ids.transpose(0, 1).flatten(1))  # (B, S), in order
+        documents = (in_order == 0).cumsum(1)  # (B, S)
     out, lse = _ring_forward(q, k, v, sinks, documents, indices, group.group_name if group else "", window, causal,
                              q.shape[-1] ** -0.5 if scale is None else scale, fused)
     return (out, lse.transpose(1, 2)) if return_lse else out  # lse (B, Hq, L) -> (B, L, Hq)
@@ -88,7 +88,7 @@ def _ring_forward(q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None, documen
     """Pass the key/value blocks around and merge: (out [B, L, Hq, D], lse [B, Hq, L])."""
     group = _resolve_process_group(group_name) if group_name else None
     R, r = size_and_rank(group)
-    kernel = block_kernel(q.device.type, q.dtype, q.shape[-1]) if fused else "tiles"  # chosen here, out of a trace
+    kernel = block_kernel(q.device.type, q.dtype, q.shape[-1]) if fused else "tiles"  # chosen inside the op, untraced
     with torch.autocast(q.device.type, enabled=False):  # the merge in float32 (or float64), whatever autocast
         q_heads = q.transpose(1, 2)  # (B, L, Hq, D) -> (B, Hq, L, D), a view; each kernel widens what it must
         out = q_heads.new_zeros(q_heads.shape, dtype=torch.promote_types(q.dtype, torch.float32))  # (B, Hq, L, D)
@@ -102,7 +102,7 @@ def _ring_forward(q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None, documen
                 merge(out[batch, :, queries], lse[batch, :, queries], o_b, lse_b)
             if step < R - 1:
                 kv = arrived(*incoming, q.device)
-        if sinks is not None:  # one more block, once per query, after all the others: lse = the sink, output 0
+        if sinks is not None:  # one more block a query, after all the others: its lse the sink, its output 0
             merge(out, lse, out.new_zeros(()), sinks.to(lse.dtype)[:, None])  # sinks (Hq,) -> (Hq, 1), lse (B, Hq, L)
     return out.transpose(1, 2).to(q.dtype, copy=True, memory_format=torch.contiguous_format), lse  # -> (B, L, Hq, D)
 
@@ -128,9 +128,9 @@ def _ring_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, l
                                                lse[batch, :, queries], dout[batch, :, queries], lo, hi, scale, kernel)
                 dq[batch, :, queries] += dq_b
                 dkv[:, batch, :, keys] += torch.stack(dkv_b)  # (2, B or 1, Hkv, keys, D)
-            if step > 0:  # what the ranks before me added to this block's accumulator
+            if step > 0:  # rank r-1's sum for this same block, which it held a step ago
                 dkv += arrived(*accumulator, q.device)
-            accumulator = pass_on(dkv, group, "backward") if R > 1 else (dkv, [])  # on towards home, after step R-1
+            accumulator = pass_on(dkv, group, "backward") if R > 1 else (dkv, [])  # to r+1; home after step R-1
             if step < R - 1:
                 kv = arrived(*incoming, q.device)
         dk, dv = arrived(*accumulator, q.device).transpose(2, 3)  # my own block's, every rank's term: (B, L, Hkv, D)
@@ -158,10 +158,10 @@ def arrived(received, works, device):  # the block, on the device it goes on fro
 
 def _blocks(indices, r, step, kv, documents, window, causal):
     """The pieces of the block kv [2, B, L, Hkv, D] that rank r holds at `step` which its queries see: (batch, queries,
-    keys: slices of the batch, the L queries, the L keys; lo, hi: query i sees keys[lo[i]:hi[i]]; k, v [B or 1, Hkv,
-    keys, D] views). Packed documents: a run of a document's queries with a run of its keys, fused unless windowed."""
-    if step == 0 and documents is None and window is None and causal:  # its own block: query i sees keys 0 .. i
-        hi = torch.arange(1, kv.shape[2] + 1)  # (L,), no search needed
+    keys: slices of the batch, the L queries, the L keys; lo, hi: query i sees keys[lo[i]:hi[i]] of those; k, v [B or
+    1, Hkv, keys, D] views). Packed documents: a piece per run of a document's queries and run of its keys."""
+    if step == 0 and documents is None and not window and causal:  # its own block: query i sees keys 0 .. i
+        hi = torch.arange(1, kv.shape[2] + 1)  # (L,): no search needed, token indices rise
         yield slice(None), slice(None), slice(None), torch.zeros_like(hi), hi, *kv.transpose(2, 3)
         return
     q_pos, k_pos = indices[r], indices[(r - step) % len(indices)]  # (B or 1, L) each: the queries' and keys' positions
@@ -274,8 +274,8 @@ def _tiles(q, k, lo, hi, scale):
 
 
 def block_kernel(device_type, dtype, head_dim, gpu=None):
-    """"cpu_flash" on CPU. On CUDA, fp16 or bf16 with a head size a multiple of 8: "cudnn" up to 128 on Hopper, where
-    SDPA runs cuDNN first (gpu: compute capability 9, cuDNN after 9.15.0), else "cuda_flash" up to 256. Else "tiles"."""
+    """"cpu_flash" on CPU. On CUDA, fp16 or bf16, heads a multiple of 8: "cudnn" (full blocks: flash) up to 128 on
+    Hopper with cuDNN after 9.15.0, as SDPA prefers, else "cuda_flash" up to 256. Else "tiles". gpu: cuda_gpu()'s."""
     if device_type != "cuda" or dtype not in (torch.float16, torch.bfloat16) or head_dim % 8 or head_dim > 256:
         return "cpu_flash" if device_type == "cpu" else "tiles"
     (major, _), cudnn = gpu or cuda_gpu()
@@ -390,8 +390,8 @@ def reset_ring_stats():
 
 
 def ring_bytes(R, kv_bytes, dkv_bytes):
-    """(forward, backward) bytes a rank sends per call: R-1 kv blocks, and backward R dk/dv accumulators too."""
-    return (R - 1) * kv_bytes, (R - 1) * kv_bytes + R * dkv_bytes
+    """(forward, backward) bytes a rank sends per call: R-1 kv blocks, and backward R dk/dv accumulators too (R > 1)."""
+    return (R - 1) * kv_bytes, (R - 1) * kv_bytes + (R * dkv_bytes if R > 1 else 0)
 
 
 def check_same_inputs(q, k, v, sinks, group):
@@ -438,7 +438,7 @@ def _keep_ring(ctx, inputs, output):
 
 
 def _ring_gradients(ctx, dout, _):
-    """dq, dk, dv by the backward ring. The sinks' gradient needs no ring: only the softmax's correction reaches one."""
+    """dq, dk, dv by the backward ring. A sink has no value, so its gradient needs no ring: -sum p_sink delta here."""
     q, k, v, out, lse, sinks, documents, indices = ctx.saved_tensors
     dq, dk, dv = _ring_backward(dout, q, k, v, out, lse, documents, indices, *ctx.options)
     if sinks is not None:

@@ -78,6 +78,7 @@ def test_ring_attention_matches_one_device(R):
                     "backward": {"calls": 2 * R - 1, "bytes": (R - 1) * kv_bytes + R * dkv_bytes}}
         assert [r[i][1] for r in per_rank] == [expected] * R
         assert ring.ring_bytes(R, kv_bytes, dkv_bytes) == (expected["forward"]["bytes"], expected["backward"]["bytes"])
+        assert ring.ring_bytes(1, kv_bytes, dkv_bytes) == (0, 0)  # a ring of one sends nothing
 
 
 # Packed documents in two rows of 24 tokens, each row its own. Row 0: documents at 0, 3, 12 (one token) and 13, the
