@@ -57,7 +57,7 @@ def ring_attention(q, k, v, group=None, layout=None, window=None, causal=True, s
             (given and (layout.shape != q.shape[:2] or position_ids is None))):
         raise ValueError(f"layout={tuple(layout.shape) if given else layout!r}: a ring of {R} ranks needs the layout "
                          f"its tokens were sharded in: 'zigzag' (shard_for_ring), 'contiguous', or each token's "
-                         f"position [B, L], with position_ids")
+                         f"index [B, L], with position_ids")
     if window and not causal:
         raise ValueError("a sliding window looks back from each query: use it with causal=True")
     if not torch.compiler.is_compiling():
@@ -160,17 +160,17 @@ def _blocks(indices, r, step, kv, documents, window, causal):
     """The pieces of the block kv [2, B, L, Hkv, D] that rank r holds at `step` which its queries see: (batch, queries,
     keys: slices of the batch, the L queries, the L keys; lo, hi: query i sees keys[lo[i]:hi[i]] of those; k, v [B or
     1, Hkv, keys, D] views). Packed documents: a piece per run of a document's queries and run of its keys."""
-    if step == 0 and documents is None and not window and causal:  # its own block: query i sees keys 0 .. i
+    if step == 0 and documents is None and not window and causal and kv.shape[2]:  # own block: keys 0 .. i
         hi = torch.arange(1, kv.shape[2] + 1)  # (L,): no search needed, token indices rise
         yield slice(None), slice(None), slice(None), torch.zeros_like(hi), hi, *kv.transpose(2, 3)
         return
-    q_pos, k_pos = indices[r], indices[(r - step) % len(indices)]  # (B or 1, L) each: the queries' and keys' positions
-    if documents is None:  # (batch, where the queries and keys start in the blocks, their positions)
-        parts = [(slice(None), 0, 0, q_pos[0], k_pos[0])]
+    q_at, k_at = indices[r], indices[(r - step) % len(indices)]  # (B or 1, L) each: queries' and keys' token indices
+    if documents is None:  # (batch, where the queries and keys start in the blocks, their token indices)
+        parts = [(slice(None), 0, 0, q_at[0], k_at[0])]
     else:
-        q_pos, k_pos = (t.expand(len(documents), -1) for t in (q_pos, k_pos))  # (B, L) each: every row's own
-        parts = [(slice(b, b + 1), queries.start, keys.start, q_pos[b, queries], k_pos[b, keys])
-                 for b, row in enumerate(documents) for queries, keys in meeting_runs(q_pos[b], k_pos[b], row)]
+        q_at, k_at = (t.expand(len(documents), -1) for t in (q_at, k_at))  # (B, L) each: every row's own
+        parts = [(slice(b, b + 1), queries.start, keys.start, q_at[b, queries], k_at[b, keys])
+                 for b, row in enumerate(documents) for queries, keys in meeting_runs(q_at[b], k_at[b], row)]
     for batch, q_start, k_start, q_index, k_index in parts:
         lo, hi = key_ranges(q_index, k_index, window, causal)
         if (part := cut(lo, hi)) is None:
@@ -182,8 +182,8 @@ def _blocks(indices, r, step, kv, documents, window, causal):
 
 
 def meeting_runs(q_index, k_index, documents):
-    """(queries, keys), slices of q_index [Lq] and k_index [Lk]: each run of consecutive positions of one document
-    (documents [S]: each position's) among the queries, with each run of the same document among the keys."""
+    """(queries, keys), slices of q_index [Lq] and k_index [Lk]: each run of consecutive token indices of one document
+    (documents [S]: each index's) among the queries, with each run of the same document among the keys."""
     def runs(index):  # {document: [slice, ...]}
         new = F.pad((index.diff() != 1) | (documents[index].diff() != 0), (1, 0), value=True)  # (L,): a run starts
         starts = new.nonzero().flatten()  # (runs,)
@@ -274,8 +274,8 @@ def _tiles(q, k, lo, hi, scale):
 
 
 def block_kernel(device_type, dtype, head_dim, gpu=None):
-    """"cpu_flash" on CPU. On CUDA, fp16 or bf16, heads a multiple of 8: "cudnn" (full blocks: flash) up to 128 on
-    Hopper with cuDNN after 9.15.0, as SDPA prefers, else "cuda_flash" up to 256. Else "tiles". gpu: cuda_gpu()'s."""
+    """"cpu_flash" on CPU. On CUDA, fp16 or bf16, a head size a multiple of 8: "cudnn" (causal; full: flash) up to 128
+    on Hopper with cuDNN after 9.15.0, as SDPA prefers, else "cuda_flash" up to 256. Else "tiles". gpu: cuda_gpu()'s."""
     if device_type != "cuda" or dtype not in (torch.float16, torch.bfloat16) or head_dim % 8 or head_dim > 256:
         return "cpu_flash" if device_type == "cpu" else "tiles"
     (major, _), cudnn = gpu or cuda_gpu()
@@ -332,13 +332,13 @@ FUSED = {"cpu_flash": (_cpu_flash_forward, _cpu_flash_backward), "cuda_flash": (
 
 
 def token_index(layout, rank, R, L):
-    """Ring rank `rank`'s L positions: one block ("contiguous"), or chunks rank and 2R-1-rank of 2R ("zigzag")."""
+    """Ring rank `rank`'s L token indices: one block ("contiguous"), or chunks rank and 2R-1-rank of 2R ("zigzag")."""
     chunks = torch.arange(R * L).view(2 * R if layout == "zigzag" else R, -1)  # (2R, L/2) or (R, L)
     return chunks[[rank, 2 * R - 1 - rank]].flatten() if layout == "zigzag" else chunks[rank]  # (L,)
 
 
 def key_ranges(q_index, k_index, window=None, causal=True):
-    """(lo, hi) [Lq]: query i sees keys lo[i] .. hi[i] - 1, one run of k_index (its positions rise). Never a mask."""
+    """(lo, hi) [Lq]: query i sees keys lo[i] .. hi[i] - 1, one run of k_index (its indices rise). Never a mask."""
     hi = torch.searchsorted(k_index, q_index, right=True) if causal else torch.full_like(q_index, len(k_index))
     lo = torch.searchsorted(k_index, q_index - window, right=True) if window else torch.zeros_like(hi)  # (Lq,)
     return lo, hi
@@ -355,7 +355,7 @@ def cut(lo, hi):
 
 def shard_for_ring(input_ids, labels, position_ids, ulysses_group, ring_group, layout=None):
     """Full sequences [B, S] -> this rank's [B, S_pad/P] input ids, labels (already shifted), position ids and token
-    index (each token's position in the padded sequence), P = U x R. Pads to a multiple of 2P (P for a ring of one,
+    index (each token's place in the padded sequence), P = U x R. Pads to a multiple of 2P (P for a ring of one,
     as ulysses.shard_for_sp): input 0, label -100, positions counting on. Ring rank r takes zigzag chunks r and
     2R-1-r, or layout(position_ids, R)[:, r] ([B, R, S_pad/R]: documents.document_layout), split over its U ranks."""
     if input_ids.dim() != 2 or labels.shape != input_ids.shape or position_ids.shape != input_ids.shape:
@@ -368,10 +368,10 @@ def shard_for_ring(input_ids, labels, position_ids, ulysses_group, ring_group, l
               torch.cat([position_ids, counting_on], 1)]  # (B, S_pad) each
     B, S_pad = padded[0].shape
     if R > 1 and layout is not None:
-        every = layout(padded[2], R).cpu()  # (B, R, S_pad/R): every ring rank's positions
+        every = layout(padded[2], R).cpu()  # (B, R, S_pad/R): every ring rank's token indices
         if (every.diff(dim=-1) <= 0).any() or (every.flatten(1).sort(-1).values != torch.arange(S_pad)).any():
             raise ValueError(f"layout: {getattr(layout, '__name__', layout)} must give each ring rank rising "
-                             f"positions, each one once")
+                             f"token indices, each one once")
         index = every[:, r]  # (B, S_pad/R)
     else:
         index = token_index("zigzag" if R > 1 else "contiguous", r, R, S_pad // R).expand(B, -1)  # (B, S_pad/R)

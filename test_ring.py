@@ -11,6 +11,7 @@ from functools import partial
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 import documents
 import ring
@@ -234,7 +235,7 @@ def test_shard_for_ring_cuts_the_padded_sequence(U, R):
         assert one_ring is None or all(torch.equal(a, b) for a, b in zip(shards[0], one_ring))
         named = ["same_positions", "falling_positions", r"functools\.partial\(<function same_positions at .*>\)"]
         assert len(errors) == (0 if R == 1 else 3), errors
-        assert all(re.fullmatch(f"layout: {name} must give each ring rank rising positions, each one once", error)
+        assert all(re.fullmatch(f"layout: {name} must give each ring rank rising token indices, each one once", error)
                    for name, error in zip(named, errors)), errors
     with pytest.raises(ValueError, match=r"^shard_for_ring: input_ids \(2, 15\), labels \(2, 14\), position_ids "):
         ring.shard_for_ring(ids, labels[:, 1:], positions, None, None)
@@ -265,6 +266,27 @@ def test_fused_kernel_covers_every_block_without_a_window():
                         rows, cols = part
                         mask = ring._fused_mask(lo[rows] - cols.start, hi[rows] - cols.start, cols.stop - cols.start)
                         assert (mask is not None) == fused, (R, layout, window, r, j)
+
+
+def test_a_ring_of_one_sends_nothing_and_takes_an_empty_shard():
+    """group=None: a ring of one rank, its own block alone (the causal square, found without a search). Against SDPA
+    in float64 (1e-12), fused and with the tiles, nothing sent; a rank that holds no token gets empty results."""
+    for L in (0, 6):
+        for fused in (True, False):
+            q = torch.randn(1, L, 4, 8, dtype=torch.float64, requires_grad=True)
+            k, v = (torch.randn(1, L, 2, 8, dtype=torch.float64, requires_grad=True) for _ in range(2))
+            ring.reset_ring_stats()
+            out = ring.ring_attention(q, k, v, fused=fused)
+            out.backward(torch.ones_like(out))
+            assert ring.ring_stats == {"forward": {"calls": 0, "bytes": 0}, "backward": {"calls": 0, "bytes": 0}}
+            got = [out.detach(), q.grad, k.grad, v.grad]
+            assert [t.shape for t in got] == [t.shape for t in (q, q, k, v)], (L, fused)
+            if L:
+                q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+                want = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)), is_causal=True,
+                                                      enable_gqa=True).transpose(1, 2)
+                want.backward(torch.ones_like(want))
+                assert_all_close(got, [want.detach(), q.grad, k.grad, v.grad], 1e-12, 1e-12, where=f"fused={fused}")
 
 
 def _options_rank(rank, R):
@@ -341,7 +363,7 @@ def test_ring_options_lse_and_mismatched_ranks():
             f"{by_rank}0: [1, 10, 4, 8, 4, {fp32}]; 1: [1, 12, 4, 8, 4, {fp32}]; 2: [1, 12, 4, 8, 4, {fp32}]){want}",
             f"{by_rank}0: [1, 12, 4, 8, 4, {fp32}]; 1: [1, 12, 4, 8, 4, {fp64}]; 2: [1, 12, 4, 8, 4, {fp64}]){want}",
             "layout=None: a ring of 3 ranks needs the layout its tokens were sharded in: 'zigzag' (shard_for_ring), "
-            "'contiguous', or each token's position [B, L], with position_ids"] + unfit
+            "'contiguous', or each token's index [B, L], with position_ids"] + unfit
 
 
 def _large_scores(seed=2):
