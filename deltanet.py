@@ -155,7 +155,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, starts=None, chunk_size=64, initial
 
     q, k, v, g, beta = map(chunked, (q * Dk ** -0.5, k, v, g, beta))  # (B, H, n, C, Dk or Dv); g, beta (B, H, n, C)
     starts = torch.zeros(B, S, dtype=torch.bool, device=q.device) if starts is None else starts
-    document = F.pad(starts, (0, n * C - S)).reshape(B, 1, n, C).cumsum(-1)  # (B, 1, n, C): 0 = M0's
+    document = F.pad(starts, (0, n * C - S)).reshape(B, 1, n, C).cumsum(-1)  # (B, 1, n, C): 0: M0's document
     G = g.cumsum(-1)  # (B, H, n, C)
     causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()  # (C, C)
     same_document = (document[..., :, None] == document[..., None, :]) & causal  # (B, 1, n, C, C)
@@ -200,9 +200,9 @@ def causal_conv1d(x, weight, starts=None):
 
 
 def _causal_conv(x, weight):
-    """x [B, L, ch] -> [B, L, ch]: the convolution over L tokens, zero before the first."""
-    x = F.pad(x.transpose(1, 2), (weight.shape[1] - 1, 0))  # (B, ch, taps-1 + L)
-    return F.conv1d(x, weight[:, None], groups=x.shape[1]).transpose(1, 2)  # (B, ch, L) -> (B, L, ch)
+    """x [B, length, ch] -> [B, length, ch]: the convolution over those tokens, zero before the first."""
+    x = F.pad(x.transpose(1, 2), (weight.shape[1] - 1, 0))  # (B, ch, taps-1 + length)
+    return F.conv1d(x, weight[:, None], groups=x.shape[1]).transpose(1, 2)  # (B, ch, length) -> (B, length, ch)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -372,7 +372,7 @@ def context_gated_delta_rule(q, k, v, g, beta, starts, context, links):
 
 
 def gated_delta_net(q, k, v, b, a, conv_weight, A_log, dt_bias, key_of_value=None, starts=None, context=None):
-    """What a Gated DeltaNet layer computes between its projections, for some of its heads: q and k [B, S, hk, Dk]
+    """What a Gated DeltaNet layer computes before its output gate, for some of its heads: q and k [B, S, hk, Dk]
     and v [B, S, hv, Dv] before the convolution, b and a [B, S, hv, 1] (the inputs of beta and of the decay), the
     slices of the per-head parameters for those heads, and key_of_value, for each value head the index of its key
     head among the hk (None: hk = hv, one each) -> o [B, S, hv, Dv]. It computes in float32 with autocast off,
