@@ -24,8 +24,8 @@ import torch
 
 
 def copy_document(n, length, g):
-    """`length` tokens: n random ones, repeated. Labels are the next token inside the document, -100 in the random
-    first n (nothing there can be predicted) and at the last token."""
+    """`length` tokens: n random ones, repeated. Labels are the next token inside the document, -100 for the first
+    n-1 (their next tokens are random: nothing to predict) and at the last token."""
     block = torch.randint(0, 256, (n,), generator=g)
     tokens = block.repeat(-(-length // n))[:length]
     labels = torch.cat([tokens[1:], torch.tensor([-100])])

@@ -24,7 +24,7 @@ One optimizer step on the dp x sp mesh (sp = ring x ulysses), numbered as the co
   1. each DP rank draws its own micro-batches of full sequences; the sp ranks of an SP group draw the same ones
      (load_micro_batch);
   2. (rule 1) the labels are shifted by one before any sharding: the label at position i is the token at position
-     i + 1 (a sample is drawn one token longer than its inputs; -100 where nothing is to be learned), so a shard's
+     i + 1 (data.py sets them from the next token; -100 where nothing is to be learned), so a shard's
      last label is the next shard's first token (data.make_sample);
   3. (rule 2) sequences are padded at the end to S_pad, a multiple of sp (label -100), and SP rank r keeps tokens
      [r*S_pad/sp, (r+1)*S_pad/sp) with their GLOBAL position ids (ulysses.shard_for_sp; with --ring,

@@ -50,9 +50,9 @@ from torch.distributed.distributed_c10d import _resolve_process_group  # a group
 def ulysses_attention(q, k, v, group=None, attn_fn=None, check=True, sinks=None, **attn_kwargs):
     """Attention over the full sequence when each rank holds S/P tokens: q [B, S/P, Hq, D], k and v [B, S/P, Hkv, D]
     -> [B, S/P, Hq, D]. attn_fn(q, k, v, **attn_kwargs) gets the full sequence of this rank's heads (head_layout):
-    q [B, S, hq, D]; k and v [B, S, hkv, D], query head i using kv head i // (hq / hkv), or else [B, S, hq, D], one
-    a query head (kernel_kv_heads). Default causal_attention; ring.ring_attention over a ring group makes it Ulysses
-    x Ring. group=None or of one rank: attn_fn alone. check: `check_inputs` first (skipped while compiling).
+    q [B, S, hq, D]; k and v [B, S, hkv, D], query head i using kv head i // (hq / hkv), else expanded to [B, S, hq,
+    D], a kv head per query head (kernel_kv_heads). Default causal_attention; ring.ring_attention over a ring group
+    makes it Ulysses x Ring. group=None or of one rank: attn_fn alone. check: `check_inputs` first, unless compiling.
     sinks [Hq]: a learned logit per query head (gpt-oss); attn_fn gets this rank's as sinks=...."""
     if sinks is not None and (attn_fn is None or tuple(sinks.shape) != (q.shape[2],)):
         raise ValueError(f"ulysses_attention: sinks {tuple(sinks.shape)} need one logit per query head, "
@@ -71,7 +71,7 @@ def ulysses_attention(q, k, v, group=None, attn_fn=None, check=True, sinks=None,
     q = seq_to_heads(q, group, query_heads)  # (B, S, hq, D)
     k, v = seq_to_heads(k, group, kv_heads), seq_to_heads(v, group, kv_heads)  # (B, S, hkv, D)
     kernel_kv = kernel_kv_heads(n_head, n_kv_head, P, rank)
-    if kernel_kv != list(range(len(kv_heads[rank]))):  # not SDPA's pairing (kernel_kv_heads): one kv head a query head
+    if kernel_kv != list(range(len(kv_heads[rank]))):  # not SDPA's pairing (kernel_kv_heads): a kv head per query head
         k, v = k[:, :, kernel_kv], v[:, :, kernel_kv]  # (B, S, hkv, D) -> (B, S, hq, D)
     return heads_to_seq(attn_fn(q, k, v, **attn_kwargs), group, query_heads)  # (B, S/P, Hq, D)
 
@@ -160,8 +160,8 @@ def heads_to_seq(x, group, heads):
 def _exchange(x: torch.Tensor, head_bounds: list[int], to_heads: bool, group_name: str, rank: int,
               counted_as: str) -> torch.Tensor:
     """One all-to-all, an operator so that torch.compile traces through it unbroken. To heads, I send uneven pieces
-    (rank j's heads at my tokens) and receive even ones (my heads at rank i's tokens); back, the mirror. The
-    group travels by name, the heads as flat bounds [start0, stop0, ...]; counted_as: the pass it runs in."""
+    (rank j's heads at my tokens) and receive even ones (my heads at rank i's tokens); back, the mirror. The group
+    travels by name, the heads as flat bounds; counted_as: "forward" from the wrappers, "backward" from its backward."""
     group = _resolve_process_group(group_name)
     heads = [range(a, b) for a, b in zip(head_bounds[::2], head_bounds[1::2])]  # heads[j]: rank j's, P of them
     if to_heads:  # x: (B, S/P, H, D), my tokens of every head
