@@ -49,8 +49,9 @@ def ring_attention(q, k, v, group=None, layout=None, window=None, causal=True, s
     """Attention over a sequence split over the R ranks of `group` (None: this rank alone). q [B, L, Hq, D], k and v
     [B, L, Hkv, D], each contiguous -> [B, L, Hq, D] (return_lse: also the log-sum-exp [B, L, Hq], sinks included,
     float32 or wider, no gradient). layout: how the tokens were sharded: "zigzag" (shard_for_ring), "contiguous", or
-    each token's index in the padded sequence [B, L]. window: the last `window` tokens, its own included (0: no window).
-    position_ids [B, L]: 0 where a packed document starts. sinks [Hq]: a logit per query head. fused=False: tiles."""
+    each token's index in the padded sequence [B, L], rising along each rank (shard_for_ring checks it; this trusts
+    it). window: the last `window` tokens, its own included (0: no window). position_ids [B, L]: 0 where a packed
+    document starts (under USP, gathered over the Ulysses group). sinks [Hq]: a logit a head. fused=False: tiles."""
     R = size_and_rank(group)[0]
     given = torch.is_tensor(layout)  # each token's index, not a layout by name
     if ((R > 1 and not given and layout not in ("zigzag", "contiguous")) or
@@ -78,7 +79,8 @@ def ring_attention(q, k, v, group=None, layout=None, window=None, causal=True, s
 
 
 # The ring as two operators (custom_op: one call each to torch.compile, so a graph never breaks at them), the
-# group by name. Inside: head-major views [B, heads, L, D]; indices [R, B or 1, L]; documents [B, S], or None.
+# group by name. Inside: q, out and dq head-major [B, Hq, L, D], kv as it travels [2, B, L, Hkv, D]; indices
+# [R, B or 1, L]; documents [B, S], or None.
 
 
 @torch.library.custom_op("ring::attention", mutates_args=())
@@ -222,8 +224,8 @@ def block_attention(q, k, v, lo, hi, scale, kernel):
 
 
 def merge(out, lse, block_out, block_lse):
-    """Fold one block's result into the running one, in place. logaddexp takes log(e^a + e^b) as max(a, b) +
-    log(1 + e^-|a - b|): the larger passes exactly, and the rounding of a - b reaches only the small correction."""
+    """Fold one block's result into the running one, in place (out, lse: views). logaddexp takes log(e^a + e^b) as
+    max(a, b) + log(1 + e^-|a - b|): the larger passes exactly; the rounding of a - b reaches only the correction."""
     torch.logaddexp(lse, block_lse, out=lse)  # -inf where both are -inf
     w = (block_lse - lse).exp_().nan_to_num_(0.0)  # e^lse_b / e^lse, the block's share; 0 where both are -inf
     out.lerp_(block_out, w[..., None])  # o_a + w (o_b - o_a) = (1 - w) o_a + w o_b, the file's formula
@@ -346,11 +348,9 @@ def key_ranges(q_index, k_index, window=None, causal=True):
 
 def cut(lo, hi):
     """(rows, cols): the smallest slices holding every query that sees a key, and every key seen; else None."""
-    rows = (hi > lo).nonzero().flatten()
-    if len(rows) == 0:
-        return None
-    rows = slice(rows[0].item(), rows[-1].item() + 1)
-    return rows, slice(lo[rows].min().item(), hi[rows].max().item())
+    seen = (hi > lo).nonzero().flatten()  # (queries that see a key,)
+    rows = slice(seen[0].item(), seen[-1].item() + 1) if len(seen) else None
+    return None if rows is None else (rows, slice(lo[rows].min().item(), hi[rows].max().item()))
 
 
 def shard_for_ring(input_ids, labels, position_ids, ulysses_group, ring_group, layout=None):
@@ -414,7 +414,7 @@ def check_same_inputs(q, k, v, sinks, group):
 
 
 def gather_ring(x, group):
-    """x [B, L] of every rank of the group: [R, B, L], on x's device. One all-gather (never a mask)."""
+    """x [B, L] (any 2-D tensor) of every rank of the group: [R, B, L], on x's device. One all-gather."""
     if group is None:
         return x[None]  # (1, B, L)
     every = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]  # (B, L) of each rank
