@@ -41,7 +41,7 @@ norms and gates. It computes in float32 (float64 stays) with autocast off: cumul
 over the whole sequence would drift in bf16.
 
 Under Ulysses SP the heads travel, as in softmax attention. gated_delta_net runs between the exchanges to heads
-and back, on this rank's value heads; what needs every head of a token stays outside:
+and back, on this rank's value heads; the rest stays outside (the gate's z never travels):
 
     local tokens, all heads          all tokens, my heads                    local tokens, all heads
     x -> q, k, v, z, b, a  --a2a-->  q, k, v, b, a:                 --a2a--> o -> RMSNorm(o) * silu(z) -> out
@@ -218,7 +218,7 @@ def reset_context_stats():
 
 def _all_to_all_sum(grad, group):
     """The gradient of an all-gather: grad [P, ...], row j my gradient of rank j's piece -> [...], the sum of every
-    rank's row for my piece (a reduce-scatter, written as an all-to-all and a sum: gloo has no reduce-scatter)."""
+    rank's row for my piece (a reduce-scatter as an all-to-all and a sum: gloo's own all-reduces, twice the bytes)."""
     P = grad.shape[0]
     send = grad.contiguous()
     received = torch.empty_like(send)  # (P, ...): row i is rank i's gradient of my piece
@@ -231,7 +231,7 @@ class _GatherThen(torch.autograd.Function):
     """fn(every rank's x), x [slots, ...] one slot per run of this rank (slots: the most runs a rank has; a spare
     slot holds zeros), gathered to [P, slots, ...] in the order (ring rank, Ulysses rank): an all-gather over the
     Ulysses group, then one over the ring. Backward: fn's gradient for every rank's x, each rank's summed back to
-    it. Gather and fn are one step of autograd on purpose: the rank whose runs come first uses nothing it gathered,
+    it. Gather and fn are one step of autograd on purpose: a rank whose runs come first uses nothing it gathered,
     and autograd would skip the backward of a gather whose result is unused, leaving the other ranks waiting."""
 
     @staticmethod
@@ -276,10 +276,10 @@ def zigzag_only(layout, ring_group):
 
 
 def token_runs(context, L):
-    """Each rank's L local tokens as runs of consecutive global positions, in shard_for_sp's layout (zigzag with a
-    ring): for rank r*U + u of the U*R ranks (ring rank r, Ulysses rank u), [(first global position, first local
-    index, length)]. Two runs where a rank's tokens span both chunks of its ring rank, unless the ring rank is the
-    last (its chunks meet): with U = 3, R = 2 and L = 6, rank 1 holds [(6, 0, 3), (27, 3, 3)]. Else one run."""
+    """Each rank's L local tokens as runs of consecutive global positions, as shard_for_sp (zigzag: shard_for_ring)
+    lays them out: for rank r*U + u of the U*R ranks (ring rank r, Ulysses rank u), [(first global position, first
+    local index, length)]. Two runs where a rank's tokens span both chunks of its ring rank, unless the ring rank is
+    the last (its chunks meet): with U = 3, R = 2 and L = 6, rank 1 holds [(6, 0, 3), (27, 3, 3)]. Else one run."""
     (U, _), (R, _) = (size_and_rank(group) for group in context)
     runs = []
     for r in range(R):
@@ -375,9 +375,9 @@ def gated_delta_net(q, k, v, b, a, conv_weight, A_log, dt_bias, key_of_value=Non
     """What a Gated DeltaNet layer computes before its output gate, for some of its heads: q and k [B, S, hk, Dk]
     and v [B, S, hv, Dv] before the convolution, b and a [B, S, hv, 1] (the inputs of beta and of the decay), the
     slices of the per-head parameters for those heads, and key_of_value, for each value head the index of its key
-    head among the hk (None: hk = hv, one each) -> o [B, S, hv, Dv]. It computes in float32 with autocast off,
-    whatever the dtype of its inputs: cumulative decays and a state carried over the whole sequence would drift in
-    bf16's 8 significant bits. o comes back in the inputs' dtype, for the all-to-all.
+    head among the hk (None: hk = hv, one each) -> o [B, S, hv, Dv]. It computes in float32 (float64 stays) with
+    autocast off, whatever the inputs' dtype: cumulative decays and a state carried over the whole sequence would
+    drift in bf16's 8 significant bits. o comes back in the inputs' dtype, for the all-to-all or the output gate.
 
     context: (Ulysses group, ring group) for the context-parallel way. Then the inputs are this rank's tokens of
     the sequence (its runs, in the SP group's token order), all heads, and starts the document starts among them."""
