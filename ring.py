@@ -1,6 +1,6 @@
 """
-Ring attention: causal attention over a sequence split across the R ranks of a ring. Each rank keeps its queries,
-with every head, while the keys and values travel. With ulysses.py: Ulysses x Ring (USP), for more ranks than heads.
+Ring attention: causal (or full) attention over a sequence split across the R ranks of a ring. Each rank keeps its
+queries, all heads, while the keys and values travel. With ulysses.py: Ulysses x Ring (USP), more ranks than heads.
 
 Rank r holds L = S/R tokens. At each of R steps it attends its queries to the key/value block it holds; in all
 but the last it meanwhile sends that block to rank r+1 and receives rank r-1's. Then every query has met every key:
@@ -30,7 +30,7 @@ form a ring. `shard_for_ring` cuts the batch for it, and attention is one line:
 Token indices rise along every layout, so a query's keys in a block are one run (`key_ranges`), causal or in a window;
 packed documents are first cut into runs of one document (`meeting_runs`). A fused kernel takes blocks that see
 every key, or causal ones; the einsum tiles, the readable reference, any other. A sink (gpt-oss: a logit per head
-in every softmax, with no value) is one last block to merge. The file reads down the call path; it needs torch.
+in every softmax, with no value) is one last block to merge. The file reads down the call path.
 """
 
 from functools import partial
@@ -41,6 +41,8 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.distributed.distributed_c10d import _resolve_process_group
 
+from ulysses import size_and_rank  # (ranks, this one's rank) in a group; (1, 0) for None, a ring of one rank
+
 aten = torch.ops.aten  # PyTorch's kernels by name (test_kernels.py puts CPU stand-ins in place of the CUDA ones)
 
 
@@ -49,9 +51,9 @@ def ring_attention(q, k, v, group=None, layout=None, window=None, causal=True, s
     """Attention over a sequence split over the R ranks of `group` (None: this rank alone). q [B, L, Hq, D], k and v
     [B, L, Hkv, D], each contiguous -> [B, L, Hq, D] (return_lse: also the log-sum-exp [B, L, Hq], sinks included,
     float32 or wider, no gradient). layout: how the tokens were sharded: "zigzag" (shard_for_ring), "contiguous", or
-    each token's index in the padded sequence [B, L], rising along each rank (shard_for_ring checks it; this trusts
-    it). window: the last `window` tokens, its own included (0: no window). position_ids [B, L]: 0 where a packed
-    document starts (under USP, gathered over the Ulysses group). sinks [Hq]: a logit a head. fused=False: tiles."""
+    each token's index in the padded sequence [B, L], rising along each rank. window: the last `window` tokens, its
+    own included (0: none). position_ids [B, L]: 0 where a packed document starts (under USP, gathered over the
+    Ulysses group). sinks [Hq]: a logit a head. fused=False: tiles."""
     R = size_and_rank(group)[0]
     given = torch.is_tensor(layout)  # each token's index, not a layout by name
     if ((R > 1 and not given and layout not in ("zigzag", "contiguous")) or
@@ -67,6 +69,10 @@ def ring_attention(q, k, v, group=None, layout=None, window=None, causal=True, s
         raise ValueError(f"{q.shape[1]} tokens on this rank: zigzag's two equal chunks need an even number")
     indices = (gather_ring(layout, group).cpu() if given else  # (R, B, L): each ring rank's token indices, or (R, 1, L)
                torch.stack([token_index(layout if R > 1 else "contiguous", j, R, q.shape[1])[None] for j in range(R)]))
+    if given and not torch.compiler.is_compiling():  # falling or repeated indices would go wrong silently
+        every = indices.transpose(0, 1).flatten(1)  # (B, R*L) = (B, S)
+        if (indices.diff(dim=-1) <= 0).any() or (every.sort(-1).values != torch.arange(every.shape[1])).any():
+            raise ValueError("layout: each ring rank must hold rising token indices, each token once")
     documents = None
     if position_ids is not None:  # each token index's document, a new one wherever position_ids is 0: [B, S]
         ids = gather_ring(position_ids, group).cpu()  # (R, B, L): every ring rank's position_ids, one all-gather
@@ -174,13 +180,12 @@ def _blocks(indices, r, step, kv, documents, window, causal):
         parts = [(slice(b, b + 1), queries.start, keys.start, q_at[b, queries], k_at[b, keys])
                  for b, row in enumerate(documents) for queries, keys in meeting_runs(q_at[b], k_at[b], row)]
     for batch, q_start, k_start, q_index, k_index in parts:
-        lo, hi = key_ranges(q_index, k_index, window, causal)
+        lo, hi = (k_start + x for x in key_ranges(q_index, k_index, window, causal))  # (run's queries,): block's keys
         if (part := cut(lo, hi)) is None:
             continue
-        rows, cols = part  # within the run's queries and keys; then within the blocks
-        queries = slice(q_start + rows.start, q_start + rows.stop)
-        keys = slice(k_start + cols.start, k_start + cols.stop)
-        yield batch, queries, keys, lo[rows] - cols.start, hi[rows] - cols.start, *kv[:, batch, keys].transpose(2, 3)
+        rows, keys = part  # rows: of the run's queries; keys: of the block
+        queries = slice(q_start + rows.start, q_start + rows.stop)  # of the block
+        yield batch, queries, keys, lo[rows] - keys.start, hi[rows] - keys.start, *kv[:, batch, keys].transpose(2, 3)
 
 
 def meeting_runs(q_index, k_index, documents):
@@ -259,14 +264,13 @@ def _fused_mask(lo, hi, Lk):
 def _tiles(q, k, lo, hi, scale):
     """(queries, keys, scaled scores [B, Hkv, G, T, keys], -inf where a key is not seen) for each tile that sees any."""
     for start in range(0, len(lo), QUERY_TILE):
-        tile_lo, tile_hi = lo[start:start + QUERY_TILE], hi[start:start + QUERY_TILE]
-        if (part := cut(tile_lo, tile_hi)) is None:
+        if (part := cut(lo[start:start + QUERY_TILE], hi[start:start + QUERY_TILE])) is None:
             continue
-        rows, keys = part
+        rows, keys = part  # rows of this tile
         queries = slice(start + rows.start, start + rows.stop)
         scores = torch.einsum("bhgqd,bhkd->bhgqk", q[..., queries, :], k[:, :, keys]).mul_(scale)
         key = torch.arange(keys.start, keys.stop)  # (keys,)
-        hidden = (key < tile_lo[rows, None]) | (key >= tile_hi[rows, None])  # (T, keys)
+        hidden = (key < lo[queries, None]) | (key >= hi[queries, None])  # (T, keys)
         yield queries, keys, scores.masked_fill_(hidden.to(q.device), float("-inf")) if hidden.any() else scores
 
 
@@ -368,11 +372,7 @@ def shard_for_ring(input_ids, labels, position_ids, ulysses_group, ring_group, l
               torch.cat([position_ids, counting_on], 1)]  # (B, S_pad) each
     B, S_pad = padded[0].shape
     if R > 1 and layout is not None:
-        every = layout(padded[2], R).cpu()  # (B, R, S_pad/R): every ring rank's token indices
-        if (every.diff(dim=-1) <= 0).any() or (every.flatten(1).sort(-1).values != torch.arange(S_pad)).any():
-            raise ValueError(f"layout: {getattr(layout, '__name__', layout)} must give each ring rank rising "
-                             f"token indices, each one once")
-        index = every[:, r]  # (B, S_pad/R)
+        index = layout(padded[2], R)[:, r]  # (B, R, S_pad/R) -> (B, S_pad/R); ring_attention checks them all
     else:
         index = token_index("zigzag" if R > 1 else "contiguous", r, R, S_pad // R).expand(B, -1)  # (B, S_pad/R)
     index = index.to(input_ids.device)
@@ -421,9 +421,6 @@ def gather_ring(x, group):
     dist.all_gather(every, x.contiguous(), group=group)
     return torch.stack(every)  # (R, B, L)
 
-
-def size_and_rank(group):  # (R, this process's rank in the group); (1, 0) for group=None, a ring of one rank
-    return (1, 0) if group is None else (dist.get_world_size(group), dist.get_rank(group))
 
 # what torch.compile sees of the operators: their outputs' shapes and strides (new contiguous tensors), and autograd
 _ring_forward.register_fake(lambda q, k, v, *rest: (q.new_empty(q.shape), q.new_empty(

@@ -5,7 +5,6 @@ x Ring (USP) on U x R ranks and the batch cut for it (shard_for_ring), sinks, th
 layout, and per-document balance.
 """
 
-import re
 from functools import partial
 
 import pytest
@@ -190,9 +189,12 @@ def _shard_rank(rank, P, U, R, S):
     shards = [ring.shard_for_ring(ids, labels, positions, ulysses_group, ring_group, layout)
               for layout in (None, documents.document_layout)]
     errors = []
-    for layout in (same_positions, falling_positions, partial(same_positions)) if R > 1 else ():
+    for layout in (same_positions, falling_positions) if R > 1 else ():
+        *_, my_positions, index = ring.shard_for_ring(ids, labels, positions, ulysses_group, ring_group, layout)
+        index, my_positions = (documents.gather_sequence(t, ulysses_group) for t in (index, my_positions))  # as gpt.py
+        q = torch.zeros(2, index.shape[1], 2, 8)  # (B, U L, H, D): the Ulysses group's tokens, as attention gets them
         try:
-            ring.shard_for_ring(ids, labels, positions, ulysses_group, ring_group, layout)
+            ring.ring_attention(q, q, q, ring_group, index, position_ids=my_positions)
         except ValueError as e:
             errors.append(str(e))
     return shards, ulysses.shard_for_sp(ids, labels, positions, ulysses_group) if R == 1 else None, errors
@@ -212,8 +214,8 @@ def test_shard_for_ring_cuts_the_padded_sequence(U, R):
     label -100, positions counting on past the last), so every rank's shards put back by token index give the padded
     sequence, each token once; with a ring of one rank it equals ulysses.shard_for_sp. With documents.document_layout
     each ring rank's tokens, joined over its Ulysses ranks in order, are document_layout's share of the padded row;
-    a layout function (or a partial of one) whose ranks hold the same positions, or positions that fall, is refused
-    on every rank, by name."""
+    a layout function whose ranks hold the same positions, or positions that fall, is refused on every rank when
+    ring_attention gets its token index."""
     S_pad = len(sum(SHARD_CASES[U, R], []))
     per_rank = run_ranks(U * R, _shard_rank, U, R, 15)
     ids, labels, positions = _shard_inputs(15)  # the last positions: 1 and 2
@@ -233,10 +235,7 @@ def test_shard_for_ring_cuts_the_padded_sequence(U, R):
             assert torch.equal(got, full), (layout, i)
     for shards, one_ring, errors in per_rank:
         assert one_ring is None or all(torch.equal(a, b) for a, b in zip(shards[0], one_ring))
-        named = ["same_positions", "falling_positions", r"functools\.partial\(<function same_positions at .*>\)"]
-        assert len(errors) == (0 if R == 1 else 3), errors
-        assert all(re.fullmatch(f"layout: {name} must give each ring rank rising token indices, each one once", error)
-                   for name, error in zip(named, errors)), errors
+        assert errors == ["layout: each ring rank must hold rising token indices, each token once"] * (R > 1) * 2
     with pytest.raises(ValueError, match=r"^shard_for_ring: input_ids \(2, 15\), labels \(2, 14\), position_ids "):
         ring.shard_for_ring(ids, labels[:, 1:], positions, None, None)
 
@@ -323,6 +322,12 @@ def _options_rank(rank, R):
         ring.ring_attention(q, kv, kv, dist.group.WORLD, "zigzag", sinks=torch.zeros(3 if rank == 1 else 4))
     except ValueError as e:
         errors.append(str(e))
+    mine = ring.token_index("contiguous", rank, R, 8)[None]  # (1, 8): rising, each token once over the ranks
+    for index in (mine.flip(1) if rank == 1 else mine, ring.token_index("contiguous", 0, R, 8)[None]):
+        try:  # token indices given that fall on rank 1, then the same indices on every rank
+            ring.ring_attention(q, kv, kv, dist.group.WORLD, index, position_ids=torch.ones(1, 8, dtype=torch.long))
+        except ValueError as e:
+            errors.append(str(e))
     return results, errors
 
 
@@ -331,7 +336,7 @@ def test_ring_options_lse_and_mismatched_ranks():
     (1e-12), the fused kernel and the einsum tiles, each layout. Ranks that hold different token counts or dtypes
     get one error on every rank naming each rank's value, never a gloo abort, and so does a rank whose own k and v
     do not fit its q (another head size, another dtype, three dimensions) or whose sinks do not fit its query heads;
-    a ring called without its layout is refused."""
+    a ring called without its layout is refused, and so are token indices that fall on a rank or repeat a token."""
     R = 3
     per_rank = run_ranks(R, _options_rank)
     for i, causal in enumerate((False, False, True, True)):
@@ -363,7 +368,8 @@ def test_ring_options_lse_and_mismatched_ranks():
             f"{by_rank}0: [1, 10, 4, 8, 4, {fp32}]; 1: [1, 12, 4, 8, 4, {fp32}]; 2: [1, 12, 4, 8, 4, {fp32}]){want}",
             f"{by_rank}0: [1, 12, 4, 8, 4, {fp32}]; 1: [1, 12, 4, 8, 4, {fp64}]; 2: [1, 12, 4, 8, 4, {fp64}]){want}",
             "layout=None: a ring of 3 ranks needs the layout its tokens were sharded in: 'zigzag' (shard_for_ring), "
-            "'contiguous', or each token's index [B, L], with position_ids"] + unfit
+            "'contiguous', or each token's index [B, L], with position_ids"] + unfit + [
+            "layout: each ring rank must hold rising token indices, each token once"] * 2
 
 
 def _large_scores(seed=2):
