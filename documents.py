@@ -17,15 +17,15 @@ packed documents the work is each document's own triangle, so a rank that holds 
 much more than one that holds short ones. `document_layout` cuts each long document as zigzag cuts a sequence
 instead: 2R chunks, rank r taking chunks r and 2R-1-r of it, and deals what remains (short documents whole where
 they fit) to the least busy rank. A rank then holds any rising set of positions:
-ring.shard_for_ring(..., layout=document_layout) returns each token's position (its token index), and
+ring.shard_for_ring(..., layout=document_layout) returns each token's index (its place in the padded row), and
 ring_attention takes them as the layout.
 
     document    0 0 0 0 0 0 0 0 0 0 0 0 1 1 1 1     R = 2, every document cut (MIN_CHUNK = 1); each token's rank:
     zigzag      0 0 0 0 1 1 1 1 1 1 1 1 0 0 0 0     20 and 68 query-key pairs (`document_work` counts them)
     documents   0 0 0 1 1 1 1 1 1 0 0 0 0 1 1 0     44 and 44: each rank an early and a late chunk of each
 
-It needs torch, ulysses.py (its kernels) and ring.py (a gather, the token layout). `python -m harness.bench balance`
-measures the two layouts.
+It needs torch, ulysses.py (its kernels) and ring.py (a gather, the token layout, the keys a query sees).
+`python -m harness.bench balance` measures the two layouts.
 """
 
 from functools import partial
@@ -45,8 +45,8 @@ def gather_sequence(x, group):
 def document_attention(q, k, v, position_ids, window=None):
     """Causal (or sliding-window) attention inside each document of a packed sequence, never across documents.
     q [B, S, Hq, D], k and v [B, S, Hkv, D] -> [B, S, Hq, D]. position_ids [B, S] are the positions of the FULL
-    sequence; a document starts wherever they are 0. Ulysses' kernel runs once per document, so memory grows with
-    the longest document, never as S^2 (with a window, each document's [n, n] mask is kept for backward)."""
+    sequence; a document starts wherever they are 0. Ulysses' kernel runs once per document, so its scores grow with
+    the longest document, never as S^2 (a window keeps every document's [n, n] mask for backward: the sum of n^2)."""
     B, S, Hq, D = q.shape
     # every row starts a document, so none crosses rows: each is attended where it lies, as a view
     bounds = document_bounds(position_ids == 0).tolist()  # (documents + 1,)
@@ -80,13 +80,14 @@ def ring_work(R, L, layout, window=None):
     return [sum(pairs(r, j) for j in range(R)) for r in range(R)]
 
 
-MIN_CHUNK = 64  # tokens: a document is cut into 2R chunks only if each holds this many; a shorter one goes whole
+MIN_CHUNK = 64  # tokens: a piece of a row is cut into 2R chunks only if each holds this many, else goes whole
 
 
 def document_layout(position_ids, R):
     """Each row of position_ids [B, S] (0 where a document starts, S a multiple of R) dealt to the R ranks of a
-    ring, S/R tokens each, so that each rank does about 1/R of every document's causal work. Returns [B, R, S/R]:
-    the positions each rank holds, rising (ring.shard_for_ring gathers its tokens by them).
+    ring, S/R tokens each, so that each rank does about 1/R of the row's causal work and of each long document's.
+    ValueError if R does not divide S (ring.shard_for_ring pads to a multiple of 2R first). Returns [B, R, S/R]:
+    the token indices each rank holds, rising (ring.shard_for_ring gathers its tokens by them).
 
     Each piece of a row between document starts (the first may be a document's end, carried over from the row
     before) of n >= 2R x MIN_CHUNK tokens is cut as zigzag cuts a sequence: 2R chunks of n // 2R tokens from its
@@ -96,6 +97,8 @@ def document_layout(position_ids, R):
     and goes on. Work: the query-key pairs of causal attention (`keys_seen`). Short pieces stay whole because each
     run of a document on a rank costs the ring a kernel call per block."""
     B, S = position_ids.shape
+    if S % R:
+        raise ValueError(f"document_layout: {S} tokens a row do not split over a ring of {R}; pad to a multiple of R")
     L = S // R
     layout = torch.empty(B, R, L, dtype=torch.long)
     for b, positions in enumerate(position_ids.cpu()):

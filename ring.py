@@ -1,6 +1,6 @@
 """
-Ring attention: causal (or full) attention over a sequence split across the R ranks of a ring. Each rank keeps its
-queries, all heads, while the keys and values travel. With ulysses.py: Ulysses x Ring (USP), more ranks than heads.
+Ring attention: causal (or full) attention over a sequence split over the R ranks of a ring. A rank keeps its
+queries (the heads it holds) while keys and values travel. With ulysses.py: Ulysses x Ring (USP), past the head count.
 
 Rank r holds L = S/R tokens. At each of R steps it attends its queries to the key/value block it holds; in all
 but the last it meanwhile sends that block to rank r+1 and receives rank r-1's. Then every query has met every key:
@@ -30,7 +30,8 @@ form a ring. `shard_for_ring` cuts the batch for it, and attention is one line:
 Token indices rise along every layout, so a query's keys in a block are one run (`key_ranges`), causal or in a window;
 packed documents are first cut into runs of one document (`meeting_runs`). A fused kernel takes blocks that see
 every key, or causal ones; the einsum tiles, the readable reference, any other. A sink (gpt-oss: a logit per head
-in every softmax, with no value) is one last block to merge. The file reads down the call path.
+in every softmax, with no value) is one last block to merge. The file reads down the call path; the operators'
+autograd wiring closes it.
 """
 
 from functools import partial
@@ -49,11 +50,12 @@ aten = torch.ops.aten  # PyTorch's kernels by name (test_kernels.py puts CPU sta
 def ring_attention(q, k, v, group=None, layout=None, window=None, causal=True, scale=None, return_lse=False,
                    fused=True, position_ids=None, sinks=None):
     """Attention over a sequence split over the R ranks of `group` (None: this rank alone). q [B, L, Hq, D], k and v
-    [B, L, Hkv, D], each contiguous -> [B, L, Hq, D] (return_lse: also the log-sum-exp [B, L, Hq], sinks included,
-    float32 or wider, no gradient). layout: how the tokens were sharded: "zigzag" (shard_for_ring), "contiguous", or
-    each token's index in the padded sequence [B, L], rising along each rank. window: the last `window` tokens, its
-    own included (0: none). position_ids [B, L]: 0 where a packed document starts (under USP, gathered over the
-    Ulysses group). sinks [Hq]: a logit a head. fused=False: tiles."""
+    [B, L, Hkv, D] -> [B, L, Hq, D], q contiguous as that output is (cuDNN's backward wants them alike); return_lse:
+    also the log-sum-exp [B, L, Hq], sinks included, float32 or wider, no gradient. layout: how the tokens were
+    sharded: "zigzag" (shard_for_ring), "contiguous", or each token's index [B, L] in the padded sequence, rising on
+    each rank, each token once over the ring (checked), with position_ids. window: the last `window` tokens, its own
+    included (0 or None: no window). position_ids [B, L]: 0 where a packed document starts (under USP, gathered over
+    the Ulysses group). sinks [Hq]: a logit a head. fused=False: the einsum tiles."""
     R = size_and_rank(group)[0]
     given = torch.is_tensor(layout)  # each token's index, not a layout by name
     if ((R > 1 and not given and layout not in ("zigzag", "contiguous")) or
@@ -64,7 +66,7 @@ def ring_attention(q, k, v, group=None, layout=None, window=None, causal=True, s
     if window and not causal:
         raise ValueError("a sliding window looks back from each query: use it with causal=True")
     if not torch.compiler.is_compiling():
-        check_same_inputs(q, k, v, sinks, group)  # one error on every rank, before the check below refuses on one
+        check_same_inputs(q, k, v, sinks, group)  # one error on every rank; other arguments must match, unchecked
     if R > 1 and layout == "zigzag" and q.shape[1] % 2:
         raise ValueError(f"{q.shape[1]} tokens on this rank: zigzag's two equal chunks need an even number")
     indices = (gather_ring(layout, group).cpu() if given else  # (R, B, L): each ring rank's token indices, or (R, 1, L)
@@ -166,9 +168,9 @@ def arrived(received, works, device):  # the block, on the device it goes on fro
 
 def _blocks(indices, r, step, kv, documents, window, causal):
     """The pieces of the block kv [2, B, L, Hkv, D] that rank r holds at `step` which its queries see: (batch, queries,
-    keys: slices of the batch, the L queries, the L keys; lo, hi: query i sees keys[lo[i]:hi[i]] of those; k, v [B or
-    1, Hkv, keys, D] views). Packed documents: a piece per run of a document's queries and run of its keys."""
-    if step == 0 and documents is None and not window and causal and kv.shape[2]:  # own block: keys 0 .. i
+    keys: slices of the batch, the L queries, the L keys; lo, hi: the i-th of `queries` sees k[:, :, lo[i]:hi[i]]; k,
+    v [B or 1, Hkv, keys, D] views). Packed documents: a piece per run of a document's queries and run of its keys."""
+    if step == 0 and documents is None and not window and causal and kv.shape[2]:  # the search's own block, at once
         hi = torch.arange(1, kv.shape[2] + 1)  # (L,): no search needed, token indices rise
         yield slice(None), slice(None), slice(None), torch.zeros_like(hi), hi, *kv.transpose(2, 3)
         return
@@ -351,17 +353,17 @@ def key_ranges(q_index, k_index, window=None, causal=True):
 
 
 def cut(lo, hi):
-    """(rows, cols): the smallest slices holding every query that sees a key, and every key seen; else None."""
+    """(rows, cols): the least slices holding each query that sees a key and each key seen (lo, hi rising); or None."""
     seen = (hi > lo).nonzero().flatten()  # (queries that see a key,)
     rows = slice(seen[0].item(), seen[-1].item() + 1) if len(seen) else None
     return None if rows is None else (rows, slice(lo[rows].min().item(), hi[rows].max().item()))
 
 
 def shard_for_ring(input_ids, labels, position_ids, ulysses_group, ring_group, layout=None):
-    """Full sequences [B, S] -> this rank's [B, S_pad/P] input ids, labels (already shifted), position ids and token
-    index (each token's place in the padded sequence), P = U x R. Pads to a multiple of 2P (P for a ring of one,
-    as ulysses.shard_for_sp): input 0, label -100, positions counting on. Ring rank r takes zigzag chunks r and
-    2R-1-r, or layout(position_ids, R)[:, r] ([B, R, S_pad/R]: documents.document_layout), split over its U ranks."""
+    """Full sequences [B, S] -> this rank's [B, S_pad/P] input ids, labels (shifted), position ids and token index
+    (its place in the padded sequence), P = U x R. Pads to a multiple of 2P (P for a ring of one, as
+    ulysses.shard_for_sp): input 0, label -100, positions counting on. Ring rank r takes zigzag chunks r and 2R-1-r,
+    or layout(padded position ids, R)[:, r] ([B, R, S_pad/R]: documents.document_layout's), split over its U ranks."""
     if input_ids.dim() != 2 or labels.shape != input_ids.shape or position_ids.shape != input_ids.shape:
         raise ValueError(f"shard_for_ring: input_ids {tuple(input_ids.shape)}, labels {tuple(labels.shape)}, "
                          f"position_ids {tuple(position_ids.shape)}: want [B, S] each, labels already shifted")
@@ -395,8 +397,8 @@ def ring_bytes(R, kv_bytes, dkv_bytes):
 
 
 def check_same_inputs(q, k, v, sinks, group):
-    """One ValueError on every rank unless q, k, v (and sinks) fit together and match on every rank of the ring: the
-    sends assume it, and a mismatch would abort gloo or leave ranks waiting for one that stopped alone."""
+    """One ValueError on every rank unless q, k, v fit together (sinks, if given, [Hq]) and match on every rank of the
+    ring: the sends assume it; a mismatch would abort gloo or leave ranks waiting for one that stopped alone."""
     dtypes = [torch.float64, torch.float32, torch.bfloat16, torch.float16]
     fit = (q.dim() == k.dim() == 4 and k.shape == v.shape and q.shape[:2] == k.shape[:2] and q.shape[3] == k.shape[3]
            and k.shape[2] > 0 and q.shape[2] % k.shape[2] == 0 and q.dtype == k.dtype == v.dtype and q.dtype in dtypes

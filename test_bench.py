@@ -107,7 +107,8 @@ def test_document_layout_balances_a_long_document():
     """python -m harness.bench balance's row: one document holds 60% of the 4,096 tokens and the rest are short. The
     per-document layout gives each ring rank S/R tokens, rising, every token once, and causal work (query-key pairs)
     within 1.05x of the mean at R = 2 and 4, where zigzag's busiest rank does 1.68x (it holds the long document's
-    middle). A layout that cut the row zigzag's way, blind to where documents start, fails here."""
+    middle); a row that does not split over R is refused. A layout that cut the row zigzag's way, blind to where
+    documents start, fails here."""
     positions = bench.long_document_mix(4096)  # (1, S)
     for R in (2, 4):
         layouts = bench.balance_layouts(positions, R)  # (1, R, S/R) each
@@ -117,3 +118,5 @@ def test_document_layout_balances_a_long_document():
         assert sum(balanced) == sum(zigzag)
         assert max(balanced) / (sum(balanced) / R) <= 1.05, (R, balanced)
         assert max(zigzag) / (sum(zigzag) / R) > 1.6, (R, zigzag)
+    with pytest.raises(ValueError, match=r"^document_layout: 4095 tokens a row do not split over a ring of 2; pad "):
+        documents.document_layout(positions[:, 1:], 2)  # would never fill its ranks
