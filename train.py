@@ -26,8 +26,8 @@ One optimizer step on the dp x sp mesh (sp = ring x ulysses), numbered as the co
   2. (rule 1) the labels are shifted by one before any sharding: the label at position i is the token at position
      i + 1 (data.py sets them from the next token; -100 where nothing is to be learned), so a shard's
      last label is the next shard's first token (data.make_sample);
-  3. (rule 2) sequences are padded at the end to S_pad, a multiple of sp (label -100), and SP rank r keeps tokens
-     [r*S_pad/sp, (r+1)*S_pad/sp) with their GLOBAL position ids (ulysses.shard_for_sp; with --ring,
+  3. (rule 2) sequences are padded at the end to S_pad, a multiple of sp (of 2 sp with --ring; label -100), and SP rank
+     r keeps tokens [r*S_pad/sp, (r+1)*S_pad/sp) with their GLOBAL position ids (ulysses.shard_for_sp; with --ring,
      ring.shard_for_ring: the zigzag order, or with --balance documents each document's share);
   4. (rule 3) forward on the local tokens: embeddings, norms, MLP and loss per token, attention through
      ulysses_attention's exchanges (gpt.py); the model returns the SUM of its token losses;
@@ -35,9 +35,9 @@ One optimizer step on the dp x sp mesh (sp = ring x ulysses), numbered as the co
      (ulysses.global_valid_tokens, counted before step 4); a batch without valid tokens gives 0, never NaN;
   6. (rule 4) backward; gradients are SUMMED over all dp x sp ranks (ZeRO-3 reduce-scatters with SUM). With step
      5 this is exactly the gradient one device would compute on the global batch: no 1/sp or 1/dp factor;
-  7. clip by the global gradient norm; sum the loss and accuracy of the global batch for the log (a non-finite loss
-     or gradient norm stops the run here, before the update); AdamW updates this rank's shard (all of the model
-     under --zero 0) at the step's learning rate (lr_at); ZeRO-3 and FSDP2 gather it in the next forward.
+  7. clip by the global gradient norm; sum the loss and the correct predictions of the global batch for the log (a
+     non-finite loss or gradient norm stops the run here, before the update); AdamW updates this rank's shard (all of
+     the model under --zero 0) at the step's learning rate (lr_at); ZeRO-3 and FSDP2 gather it in the next forward.
 A plain `python train.py` is a process group of one: the gradients' and the totals' all-reduces run there too (on
 one rank they copy); attention makes no all-to-all.
 """
@@ -73,7 +73,7 @@ def main(argv=None):
 
 def train(args, run, resume_from, traced=None):
     """Model and sharding, optimizer, resume, the loop, the summary. run: launch.started's (device, mesh, rank,
-    world_size, documents); traced: memory.check's (None on CPU)."""
+    world_size, documents, data_sha256, ...); traced: memory.check's (None on CPU)."""
     model, zero, optimizer, n_params, train_on = build(args, run.world_size, run.mesh, run.device)
     start_step = checkpoint.restore(resume_from, model, zero, optimizer) if resume_from else 0  # steps done
     with report.Log(args, run, model, optimizer, zero, n_params, start_step, traced) as log:  # rank 0 prints
@@ -95,7 +95,7 @@ def build(args, world_size, mesh, device, host=torch.device("cpu")):
     # the mesh is dp x ring x ulysses (sp = ring x ulysses: no group of its own), row-major: a Ulysses group's ranks are
     # consecutive (the fastest links). The ulysses group runs the all-to-alls; the ring group passes key/value blocks
     # forward and dk/dv back. The dp group sends nothing: its index picks a rank's samples. WORLD runs ZeRO-3's gathers
-    # and reduce-scatters (or --zero 0's all-reduce), the gradient norm, the token count and the totals.
+    # and reduce-scatters (or --zero 0's all-reduce), ZeRO-3's gradient norm, the token count and the totals.
     dp, sp_groups = world_size // args.sp, (mesh.get_group("ulysses"), mesh.get_group("ring"))
     model = GPT(launch.model_config(args), *sp_groups, host)
     if device.type != "cpu":  # built on the CPU, so that a GPU run starts from the numbers a CPU run does
@@ -142,7 +142,7 @@ def train_step(step, micro_batches, model, zero, optimizer, args):
     device = micro_batches[0][0].device
     optimizer.zero_grad(set_to_none=True)
     # step 5 needs the valid tokens of the whole global batch before the first micro-batch's backward
-    valid = ulysses.global_valid_tokens([labels for _, labels, *_ in micro_batches], dist.group.WORLD)
+    valid = ulysses.global_valid_tokens([labels for _, labels, *_ in micro_batches], dist.group.WORLD)  # ()
     loss_sum = correct = 0
     for inputs, labels, position_ids, token_index in micro_batches:
         # step 4; mixed precision: matmuls and attention in bf16, the rest in float32 (gpt.py says where)
@@ -154,7 +154,7 @@ def train_step(step, micro_batches, model, zero, optimizer, args):
     # more than one rank) and FSDP2 reduce-scatter them with SUM during backward; with --zero 0, one all-reduce here.
     params = [p for group in optimizer.param_groups for p in group["params"]]
     if args.zero == "0":
-        flat_grads = torch.cat([p.grad.flatten() for p in params])
+        flat_grads = torch.cat([p.grad.flatten() for p in params])  # (parameters,)
         dist.all_reduce(flat_grads, op=dist.ReduceOp.SUM, group=dist.group.WORLD)  # a sum, never an average
         for p, g in zip(params, flat_grads.split([p.numel() for p in params])):
             p.grad.copy_(g.view_as(p))
@@ -162,7 +162,7 @@ def train_step(step, micro_batches, model, zero, optimizer, args):
     max_norm = args.grad_clip if args.grad_clip > 0 else float("inf")
     grad_norm = zero.clip_grad_norm_(max_norm) if zero else torch.nn.utils.clip_grad_norm_(params, max_norm)
     grad_norm = (grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm).item()  # FSDP2: DTensor
-    totals = torch.stack([loss_sum, correct.float()])
+    totals = torch.stack([loss_sum, correct.float()])  # (2,)
     dist.all_reduce(totals, op=dist.ReduceOp.SUM, group=dist.group.WORLD)
     loss, accuracy = (totals / valid).tolist()
     if not (math.isfinite(loss) and math.isfinite(grad_norm)):  # every rank sees the same, so all stop

@@ -1,9 +1,9 @@
 """
 Ulysses sequence parallelism: the whole contract in one file.
 
-Each of the P ranks of a sequence-parallel (SP) group holds S/P consecutive tokens of every sequence, with all H
-heads. Attention needs the whole sequence, but the heads are independent. So an all-to-all trades the split: then
-every rank holds the WHOLE sequence for its share of the heads, runs any attention kernel, and trades back.
+Each of the P ranks of a sequence-parallel (SP) group holds S/P tokens of every sequence, with all H heads.
+Attention needs the whole sequence, but the heads are independent. So an all-to-all trades the split: then every
+rank holds the WHOLE sequence for its share of the heads, runs any attention kernel, and trades back.
 
     rank r holds          all-to-all          rank r holds              all-to-all        rank r holds
     tokens r, all heads  ------------->  all tokens, heads r  --attn-->  ------------->  tokens r, all heads
@@ -101,7 +101,7 @@ def head_layout(n_head, n_kv_head, P):
     base, extra = divmod(n_head, P)
     starts = [r * base + min(r, extra) for r in range(P + 1)]
     query_heads = [range(a, b) for a, b in zip(starts, starts[1:])]
-    kv_heads = [range(q.start // per_kv, (q.stop - 1) // per_kv + 1) for q in query_heads]
+    kv_heads = [range(run.start // per_kv, (run.stop - 1) // per_kv + 1) for run in query_heads]
     return query_heads, kv_heads
 
 
@@ -144,7 +144,7 @@ def seq_to_heads(x, group, heads):
     """[B, S/P, H, D] (my tokens, all heads) -> [B, S, H_r, D] (all tokens, my heads). heads: P ranges, heads[j] the
     heads rank j receives (`head_layout` gives them). Differentiable: its backward is heads_to_seq."""
     P, rank = size_and_rank(group)
-    bounds = [b for h in heads for b in (h.start, h.stop)]  # [start0, stop0, start1, ...]: plain ints for the op
+    bounds = [b for held in heads for b in (held.start, held.stop)]  # [start0, stop0, start1, ...]: ints for the op
     return x if P == 1 else _exchange(x, bounds, True, group.group_name, rank, "forward")
 
 
@@ -152,7 +152,7 @@ def heads_to_seq(x, group, heads):
     """[B, S, H_r, D] -> [B, S/P, H, D]: the inverse of seq_to_heads, with the same heads. A head that several ranks
     held comes back as the sum of theirs (a shared kv head's gradient)."""
     P, rank = size_and_rank(group)
-    bounds = [b for h in heads for b in (h.start, h.stop)]
+    bounds = [b for held in heads for b in (held.start, held.stop)]
     return x if P == 1 else _exchange(x, bounds, False, group.group_name, rank, "forward")
 
 
@@ -166,10 +166,10 @@ def _exchange(x: torch.Tensor, head_bounds: list[int], to_heads: bool, group_nam
     heads = [range(a, b) for a, b in zip(head_bounds[::2], head_bounds[1::2])]  # heads[j]: rank j's, P of them
     if to_heads:  # x: (B, S/P, H, D), my tokens of every head
         B, S_local, _, D = x.shape
-        sizes = [B * S_local * len(h) * D for h in heads]  # to rank j: its heads, at my tokens
+        sizes = [B * S_local * len(held) * D for held in heads]  # to rank j: its heads, at my tokens
         send = x.new_empty(sum(sizes))  # (sum(sizes),): flat, rank by rank
-        for block, h in zip(send.split(sizes), heads):  # one copy in all
-            block.view(B, S_local, len(h), D).copy_(x[:, :, h.start:h.stop])
+        for block, held in zip(send.split(sizes), heads):  # each element copied once
+            block.view(B, S_local, len(held), D).copy_(x[:, :, held.start:held.stop])
         received = x.new_empty(len(heads), B, S_local, len(heads[rank]), D)  # row i: my heads, at rank i's tokens
         with _gloo_lets_go(received, send):
             dist.all_to_all_single(received, send, input_split_sizes=sizes, group=group)
@@ -178,17 +178,17 @@ def _exchange(x: torch.Tensor, head_bounds: list[int], to_heads: bool, group_nam
     # x: (B, S, H_r, D), all tokens of my heads
     send = x.unflatten(1, (len(heads), -1)).movedim(1, 0).contiguous()  # (P, B, S/P, H_r, D): row j, rank j's tokens
     B, S_local, D = send.shape[1], send.shape[2], send.shape[4]
-    sizes = [B * S_local * len(h) * D for h in heads]  # from rank i: its heads, at my tokens
+    sizes = [B * S_local * len(held) * D for held in heads]  # from rank i: its heads, at my tokens
     received = x.new_empty(sum(sizes))  # (sum(sizes),): flat, rank by rank
     with _gloo_lets_go(received, send):
         dist.all_to_all_single(received, send, output_split_sizes=sizes, group=group)
     _count(counted_as, send.nbytes - send[rank].nbytes)  # my own block stays here
-    pieces = [p.view(B, S_local, len(h), D) for p, h in zip(received.split(sizes), heads)]  # (B, S/P, H_i, D) each
+    pieces = [p.view(B, S_local, len(held), D) for p, held in zip(received.split(sizes), heads)]  # (B, S/P, H_i, D)
     if all(a.stop == b.start for a, b in zip(heads, heads[1:])):  # every head from one rank: one copy joins them
         return torch.cat(pieces, dim=2)  # (B, S/P, H, D)
     joined = x.new_zeros(B, S_local, heads[-1].stop, D)  # (B, S/P, H, D): a head several ranks held sums theirs
-    for piece, h in zip(pieces, heads):
-        joined[:, :, h.start:h.stop] += piece
+    for piece, held in zip(pieces, heads):
+        joined[:, :, held.start:held.stop] += piece
     return joined
 
 
@@ -199,9 +199,9 @@ def _exchange_shapes(x, head_bounds, to_heads, group_name, rank, counted_as):
     heads = [range(a, b) for a, b in zip(head_bounds[::2], head_bounds[1::2])]
     if to_heads:
         B, S_local, _, D = x.shape
-        return x.new_empty(len(heads), B, S_local, len(heads[rank]), D).movedim(0, 1).flatten(1, 2)
+        return x.new_empty(len(heads), B, S_local, len(heads[rank]), D).movedim(0, 1).flatten(1, 2)  # (B, S, H_r, D)
     B, S, _, D = x.shape
-    return x.new_empty(B, S // len(heads), heads[-1].stop, D)
+    return x.new_empty(B, S // len(heads), heads[-1].stop, D)  # (B, S/P, H, D)
 
 
 def _keep_exchange(ctx, inputs, output):
@@ -289,7 +289,7 @@ def global_valid_tokens(labels, group=None):
 
 def check_shards(x, group=None):
     """ValueError on every rank unless every rank of the group holds a batch of the same [B, S_local] as x ([B,
-    S_local, ...]). The all-to-alls assume it: a mismatch would abort the processes inside the collective.
+    S_local, ...]). The all-to-alls assume it: a mismatch would abort or hang the collective.
     shard_for_sp always cuts equal shards; a model calls this once per forward (one all-gather of two numbers)."""
     shapes = _every_rank([*x.shape[:2]], x.device, group)
     if len(set(shapes)) > 1:
@@ -334,7 +334,7 @@ def all_to_all_bytes(heads, rank, head_bytes):
     head_bytes: one head at one rank's tokens, B * S/P * D * element size. seq_to_heads sends my tokens of the other
     ranks' heads (a kv head that goes to several ranks counts once for each); heads_to_seq sends my heads of the
     other ranks' tokens."""
-    return (head_bytes * sum(len(h) for j, h in enumerate(heads) if j != rank),
+    return (head_bytes * sum(len(held) for j, held in enumerate(heads) if j != rank),
             head_bytes * (len(heads) - 1) * len(heads[rank]))
 
 
