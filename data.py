@@ -1,9 +1,9 @@
 """
 What train.py learns from: full sequences with their labels and position ids, made so that every layout trains
 on the same global batch. Sample i is a function of (seed, i) and the data alone, and the global batch of step t
-is samples [t*G, (t+1)*G) (G sequences a step), whatever dp, sp and grad_accum are.
+is samples [t*G, (t+1)*G) (G sequences a step), for any dp, sp and grad_accum that keep G.
 
-Two sources, each unpacked (one document a sequence) or packed (several documents a sequence; position ids count
+Two sources, each unpacked (a sequence from one document) or packed (several documents a sequence; position ids count
 within each document and are 0 where one starts, and only there):
   - the copy task (default): random tokens, then the same tokens again, and only the copy is scored. Under SP the
     copy lives on other ranks than the original, so it cannot be learned unless attention crosses the shards.
@@ -11,11 +11,11 @@ within each document and are 0 where one starts, and only there):
   - a text file as bytes (vocab 256). Unpacked: the whole file is one document, and a sample is a window of it
     that starts anywhere. Packed: a document is a paragraph (the lines between blank lines, whatever the line
     endings), and all of them in file order, repeated without end, form one stream; sample i is its window i. So
-    consecutive samples continue each other, a paragraph longer than a sequence goes on in the next sample, and a
-    pass of len(stream) / seq_len samples trains on every byte once.
+    consecutive samples continue each other, a paragraph longer than a sequence goes on in the next sample, and
+    about len(stream) / seq_len samples read every byte once.
 
 Labels are shifted here, before any sharding: labels[i] is token i+1 of the same document, or -100 where that is
-not known (a document's last token; the random half of a copy document).
+not known (a document's last token; the first n-1 tokens of a copy document of n random ones, whose next is random).
 """
 
 import itertools
@@ -48,7 +48,7 @@ class Documents(list):
 def read_documents(path, pack, seq_len):
     """A text file as byte tokens (Documents): [the whole file], or with pack one document per paragraph, its
     bytes as in the file, line endings included; the blank lines between paragraphs (empty or only spaces and
-    tabs, after \\n, \\r\\n or \\r) are left out. ValueError (naming what is wrong) if there is no such file, no
+    tabs, after \\n, \\r\\n or \\r) are left out. ValueError (naming what is wrong) if the file cannot be read, no
     text, packed only one paragraph, or, unpacked, fewer than seq_len + 1 bytes."""
     try:
         with open(path, "rb") as f:
@@ -71,7 +71,7 @@ def read_documents(path, pack, seq_len):
 
 
 def make_sample(index, seq_len, documents=None, pack=False, seed=0):
-    """Sample `index`: (input ids, labels, position ids), each [seq_len]. documents: read_documents' list, or
+    """Sample `index`: (input ids, labels, position ids), each [seq_len]. documents: read_documents' Documents, or
     None for the copy task. Unpacked: one document (a copy whose second half starts near the middle, or a
     window of the text). Packed copy task: whole documents back to back, cut at seq_len. Packed text: window
     `index` of the stream of all documents in file order, repeated without end, i.e. its tokens

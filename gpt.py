@@ -42,7 +42,7 @@ class GPTConfig(DeltaNetConfig):  # Gated DeltaNet's settings, from deltanet.py,
     intermediate_size: int = 0  # the MLP's hidden size; 0: 4 x n_embd
     layer_pattern: str = "a"  # layer i is layer_pattern[i % len]: a = softmax attention, d = Gated DeltaNet
     # How to compute, not what: these change memory and time, never the result (beyond rounding).
-    tiles: int = 1  # > 1: the MLP (and the loss) runs over this many sequence tiles (tiled.py), never holding [B, S, I]
+    tiles: int = 1  # > 1: the MLP (and the loss, unless loss_tiles) runs over this many sequence tiles (tiled.py)
     loss_tiles: int = 0  # the loss's own tile count (a token's logits are vocab wide, the MLP's I); 0: tiles
     recompute: bool = False  # keep only each block's input; recompute the block in backward
     offload: bool = False  # with recompute, on a GPU: keep those block inputs (x, cos, sin) on the host till backward
@@ -59,7 +59,7 @@ class GPTConfig(DeltaNetConfig):  # Gated DeltaNet's settings, from deltanet.py,
         if not self.layer_pattern or set(self.layer_pattern) - set("ad"):
             raise ValueError(f"layer_pattern={self.layer_pattern!r}: use the letters a (softmax attention) and "
                              f"d (Gated DeltaNet), e.g. 'ddda'")
-        if len(self.layer_pattern) > self.n_layer:  # what the model holds is read off the pattern's letters
+        if len(self.layer_pattern) > self.n_layer:  # letters past n_layer would build no layer
             raise ValueError(f"layer_pattern={self.layer_pattern!r} has more letters than n_layer={self.n_layer}: "
                              f"layer i takes letter i % {len(self.layer_pattern)}, so the letters past the first "
                              f"{self.n_layer} would build no layer")
@@ -98,7 +98,7 @@ class Attention(nn.Module):
         qkv = self.qkv(x).view(B, S_local, -1, self.head_dim)  # (B, S/P, n_head + 2 n_kv_head, D)
         q, k, v = qkv.split([self.n_head, self.n_kv_head, self.n_kv_head], dim=2)  # (B, S/P, heads, D) each
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # rotated by their position ids
-        # GPT.forward checks once that every rank holds alike shards, so the layer need not
+        # GPT.forward checks the shards' [B, S/P] once; heads and dtype agree on every rank by construction
         y = ulysses_attention(q, k, v, self.sp_group, attend, check=False, sinks=self.sinks)  # (B, S/P, n_head, D)
         return self.proj(y.flatten(2))  # (B, S/P, n_embd)
 
@@ -183,9 +183,9 @@ class Head(nn.Module):
 
 
 def layer_kernels(cfg, sp_group=None, ring_group=None):
-    """What each kind of layer computes, chosen once, where the model is built. Returns make_kernels(position_ids,
-    packed, token_index) -> {"a": the attn_fn of softmax layers, "d": Gated DeltaNet's function}, called once a batch:
-    packed documents need the gathered position ids (where documents start), a ring over them its token_index."""
+    """What each kind of layer computes, its ring, window and sinks fixed here where the model is built. Returns
+    make_kernels(position_ids, packed, token_index), which picks a batch's: {"a": softmax layers' attn_fn, "d": Gated
+    DeltaNet's}; packed documents need the gathered position ids (where documents start), a ring its token_index."""
     ring, window = size_and_rank(ring_group)[0] > 1, cfg.window or None  # ring: whether there is one
     if ring and "d" in cfg.layer_pattern and cfg.gdn_parallel == "ulysses":
         raise ValueError("gdn_parallel='ulysses' runs a Gated DeltaNet layer on its Ulysses group alone, which a ring "
@@ -202,7 +202,7 @@ def layer_kernels(cfg, sp_group=None, ring_group=None):
             attend = partial(document_attention, position_ids=gathered, window=window)
         else:
             attend = partial(sliding_window_attention, window=window) if window else causal_attention
-        starts = (position_ids if cfg.gdn_parallel == "context" else gathered) == 0 if packed else None  # DeltaNet's
+        starts = (position_ids if cfg.gdn_parallel == "context" else gathered) == 0 if packed else None  # [B, S/P | S]
         return {"a": attend, "d": partial(gated_delta_net, starts=starts)}
     return make_kernels
 
@@ -215,7 +215,7 @@ class GPT(nn.Module):
         super().__init__()
         self.cfg, self.sp_group, self.host = cfg, sp_group, host
         self.ring_group = ring_group if size_and_rank(ring_group)[0] > 1 else None
-        self.make_kernels = layer_kernels(cfg, sp_group, self.ring_group)  # what attention runs is decided here
+        self.make_kernels = layer_kernels(cfg, sp_group, self.ring_group)  # what attention runs: its kinds, here
         self.embed = nn.Embedding(cfg.vocab_size, cfg.n_embd)
         self.blocks = nn.ModuleList(Block(cfg, sp_group, cfg.layer_pattern[i % len(cfg.layer_pattern)],
                                           self.ring_group) for i in range(cfg.n_layer))

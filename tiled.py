@@ -28,9 +28,9 @@ every tile's partial gradient.)
 
 Every rank must run the same number of tiles: fn may run collectives (were fn a module a sharder hooks, it would
 gather once per tile, in forward and again in backward), and a rank that makes one call fewer hangs the group. The
-tile count therefore depends only on n_tiles and S = x.shape[1], as min(n_tiles, S): every rank holds the same
-padded length S/P, so every rank computes the same count. ALST picks tiles of about h tokens (n_tiles = ceil(S/h)),
-so that a tile's [B, h, I] is B times the size of the MLP's weight [I, h] at any sequence length.
+tile count therefore depends only on n_tiles and S_local = x.shape[1], as min(n_tiles, S_local): every rank holds
+the same padded length S/P, so every rank computes the same count. ALST picks tiles of about h tokens (n_tiles =
+ceil(S/h)), so that a tile's [B, h, I] is B times the size of the MLP's weight [I, h] at any sequence length.
 
 This file depends on torch alone: copy it into your own project.
 """
@@ -51,7 +51,7 @@ def _as_tuple(outputs):
 
 
 def at_least_float32(t):
-    """bf16 and fp16 widened to float32, for sums and losses that must not round; float64 left as it is."""
+    """Floating tensors: bf16 and fp16 widened to float32, for sums and losses that must not round; float64 as it is."""
     return t.to(torch.promote_types(t.dtype, torch.float32))
 
 

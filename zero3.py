@@ -18,8 +18,8 @@ state is 1/N of the model's too. Here N = 2:
                                     all-gather block 0 | block 0's backward | reduce-scatter | free  ...
 
 The all-gathers overlap: the one for the unit that runs next (forward: i+1, backward: i-1) starts once unit i's own
-gather is done, just before unit i computes, and runs while it does. The reduce-scatter is not overlapped: it runs,
-and completes, inside the unit's gradient hook.
+gather is done, just before unit i computes, and runs while it does. The reduce-scatter is not overlapped: it is
+issued inside the unit's gradient hook, and what computes next waits for it.
 
 Per forward and backward every parameter is all-gathered twice and its gradient reduce-scattered once: 3*(N-1)/N of
 the model's elements sent per rank, 1.5x the all-reduce of plain data parallelism (in bytes too when all is
@@ -36,9 +36,9 @@ the loss is already divided by the valid-token count of the whole global batch, 
 
 Offloaded (ZeRO3(..., offload_to=torch.device("cpu")), ALST's single-GPU setting): the float32 shards, their
 gradients and with them AdamW's state live in CPU memory, 16 bytes a parameter / N (plus the compute-dtype buffer
-below), and AdamW steps there. The GPU keeps no model state between steps, only the gathered units: a gather copies
-the shard in the compute dtype from a host buffer (pinned on CUDA, so the copy does not wait), refilled at a gather
-when the shard has changed since the last refill; each reduced gradient goes to host memory at once.
+below), and AdamW steps there. Between steps the GPU keeps no model state, in a step the gathered units: a gather
+copies the shard in the compute dtype from a host buffer (pinned on CUDA, so the copy does not wait), refilled at a
+gather when the shard has changed since the last refill; each reduced gradient goes to host memory at once.
 
     host      shard fp32 -> bf16 buffer          shard.grad fp32 <-+         AdamW (moments, step)
                                  | copy                             | copy
@@ -99,7 +99,7 @@ class ShardedUnit:
             self.staging = torch.empty(shard.shape, dtype=self.full.dtype, device=offload_to,
                                        pin_memory=self.device.type == "cuda")
         # Collectives write into `full.data`, an alias autograd does not track: writing into `full` itself would be
-        # an in-place change of the tensor whose views autograd saved for backward, and autograd would refuse them.
+        # an in-place change of the tensor whose views autograd saved for backward, and autograd refuses that.
         self.full_data = self.full.data
         self.handle, self.send = None, None  # the all-gather in flight and the shard copy it reads from
         self.in_backward = False
@@ -233,8 +233,9 @@ class ZeRO3:
 
 
 def fsdp2_shard(model, units, group, compute_dtype=None):
-    """The same sharding done by PyTorch's FSDP2, for comparison: one FSDP unit per unit, then the root, with
-    gradients summed over the ranks like ZeRO3's. Give the optimizer model.parameters() (DTensor shards)."""
+    """The same scheme (gather, free, reduce-scatter a unit at a time) by PyTorch's FSDP2, which shards each parameter
+    by rows, for comparison: one FSDP unit per unit, then the root, with gradients summed over the ranks like ZeRO3's.
+    Give the optimizer model.parameters() (DTensor shards)."""
     mesh = DeviceMesh.from_group(group or dist.group.WORLD, next(model.parameters()).device.type)
     # compute_dtype for the gathered parameters alone, like ZeRO3: the inputs of a unit (the float32 residual
     # stream, RoPE's tables) keep their dtype
