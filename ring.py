@@ -175,7 +175,7 @@ def _blocks(indices, r, step, kv, documents, window, causal):
         yield slice(None), slice(None), slice(None), torch.zeros_like(hi), hi, *kv.transpose(2, 3)
         return
     q_at, k_at = indices[r], indices[(r - step) % len(indices)]  # (B or 1, L) each: queries' and keys' token indices
-    if documents is None:  # (batch, where the queries and keys start in the blocks, their token indices)
+    if documents is None or not kv.shape[2]:  # (batch, where queries and keys start in the blocks, their indices)
         parts = [(slice(None), 0, 0, q_at[0], k_at[0])]
     else:
         q_at, k_at = (t.expand(len(documents), -1) for t in (q_at, k_at))  # (B, L) each: every row's own

@@ -5,6 +5,7 @@ x Ring (USP) on U x R ranks and the batch cut for it (shard_for_ring), sinks, th
 layout, and per-document balance.
 """
 
+import itertools
 from functools import partial
 
 import pytest
@@ -268,24 +269,24 @@ def test_fused_kernel_covers_every_block_without_a_window():
 
 
 def test_a_ring_of_one_sends_nothing_and_takes_an_empty_shard():
-    """group=None: a ring of one rank, its own block alone (the causal square, found without a search). Against SDPA
-    in float64 (1e-12), fused and with the tiles, nothing sent; a rank that holds no token gets empty results."""
-    for L in (0, 6):
-        for fused in (True, False):
-            q = torch.randn(1, L, 4, 8, dtype=torch.float64, requires_grad=True)
-            k, v = (torch.randn(1, L, 2, 8, dtype=torch.float64, requires_grad=True) for _ in range(2))
-            ring.reset_ring_stats()
-            out = ring.ring_attention(q, k, v, fused=fused)
-            out.backward(torch.ones_like(out))
-            assert ring.ring_stats == {"forward": {"calls": 0, "bytes": 0}, "backward": {"calls": 0, "bytes": 0}}
-            got = [out.detach(), q.grad, k.grad, v.grad]
-            assert [t.shape for t in got] == [t.shape for t in (q, q, k, v)], (L, fused)
-            if L:
-                q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
-                want = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)), is_causal=True,
-                                                      enable_gqa=True).transpose(1, 2)
-                want.backward(torch.ones_like(want))
-                assert_all_close(got, [want.detach(), q.grad, k.grad, v.grad], 1e-12, 1e-12, where=f"fused={fused}")
+    """group=None: a ring of one rank, its own block alone (the causal square, found without a search; or one
+    document's runs). Against SDPA in float64 (1e-12), fused and with the tiles, nothing sent; a rank that holds no
+    token gets empty results."""
+    for L, fused, documents in itertools.product((0, 6), (True, False), (False, True)):
+        q = torch.randn(1, L, 4, 8, dtype=torch.float64, requires_grad=True)
+        k, v = (torch.randn(1, L, 2, 8, dtype=torch.float64, requires_grad=True) for _ in range(2))
+        ring.reset_ring_stats()
+        out = ring.ring_attention(q, k, v, fused=fused, position_ids=torch.arange(L)[None] if documents else None)
+        out.backward(torch.ones_like(out))
+        assert ring.ring_stats == {"forward": {"calls": 0, "bytes": 0}, "backward": {"calls": 0, "bytes": 0}}
+        got = [out.detach(), q.grad, k.grad, v.grad]
+        assert [t.shape for t in got] == [t.shape for t in (q, q, k, v)], (L, fused, documents)
+        if L:
+            q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+            want = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)), is_causal=True,
+                                                  enable_gqa=True).transpose(1, 2)
+            want.backward(torch.ones_like(want))
+            assert_all_close(got, [want.detach(), q.grad, k.grad, v.grad], 1e-12, 1e-12, where=f"{fused}, {documents}")
 
 
 def _options_rank(rank, R):
