@@ -133,7 +133,7 @@ def keys_seen(positions):
 
 def document_work(position_ids, layout):
     """Causal attention work per ring rank with packed documents: the query-key pairs its queries see, summed over
-    the rows. position_ids [B, S]; layout [B, R, L], the positions each rank holds (document_layout's, or each
+    the rows. position_ids [B, S]; layout [B, R, L], the token indices each rank holds (document_layout's, or each
     rank's ring.token_index stacked and expanded to [B, R, L]). A list of R numbers."""
     seen = torch.stack([keys_seen(row) for row in position_ids])  # (B, S)
     return seen.gather(1, layout.flatten(1)).view(layout.shape).sum((0, 2)).tolist()

@@ -22,7 +22,7 @@ import torch.utils.checkpoint
 
 from deltanet import DeltaNetConfig, GatedDeltaNet, gated_delta_net, zigzag_only
 from documents import document_attention, gather_sequence
-from ring import ring_attention
+from ring import check_layout, ring_attention
 from tiled import at_least_float32, kept_on, tiled_lm_loss, tiled_mlp
 from ulysses import (causal_attention, check_shards, head_layout, size_and_rank, sliding_window_attention,
                      ulysses_attention)
@@ -195,8 +195,8 @@ def layer_kernels(cfg, sp_group=None, ring_group=None):
         gathered = gather_sequence(position_ids, sp_group) if packed else None  # (B, S_local x Ulysses ranks)
         if ring or cfg.sinks:  # the ring's kernel takes sinks: with sinks and no ring, a ring of one rank
             layout = gather_sequence(token_index, sp_group) if packed and ring and token_index is not None else "zigzag"
-            if "d" in cfg.layer_pattern and torch.is_tensor(layout):  # their state passes on in zigzag order
-                zigzag_only(layout, ring_group)
+            if torch.is_tensor(layout):  # checked here, eagerly, for compiled blocks too; DeltaNet's state wants zigzag
+                (zigzag_only if "d" in cfg.layer_pattern else check_layout)(layout, ring_group)
             attend = partial(ring_attention, group=ring_group, layout=layout, window=window, position_ids=gathered)
         elif packed:
             attend = partial(document_attention, position_ids=gathered, window=window)
@@ -215,7 +215,7 @@ class GPT(nn.Module):
         super().__init__()
         self.cfg, self.sp_group, self.host = cfg, sp_group, host
         self.ring_group = ring_group if size_and_rank(ring_group)[0] > 1 else None
-        self.make_kernels = layer_kernels(cfg, sp_group, self.ring_group)  # what attention runs: its kinds, here
+        self.make_kernels = layer_kernels(cfg, sp_group, self.ring_group)  # which kernels a layer may run
         self.embed = nn.Embedding(cfg.vocab_size, cfg.n_embd)
         self.blocks = nn.ModuleList(Block(cfg, sp_group, cfg.layer_pattern[i % len(cfg.layer_pattern)],
                                           self.ring_group) for i in range(cfg.n_layer))

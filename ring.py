@@ -1,6 +1,6 @@
 """
 Ring attention: causal (or full) attention over a sequence split over the R ranks of a ring. A rank keeps its
-queries (the heads it holds) while keys and values travel. With ulysses.py: Ulysses x Ring (USP), past the head count.
+queries (the heads it holds) while keys and values travel. With ulysses.py: Ulysses x Ring (USP), for more ranks.
 
 Rank r holds L = S/R tokens. At each of R steps it attends its queries to the key/value block it holds; in all
 but the last it meanwhile sends that block to rank r+1 and receives rank r-1's. Then every query has met every key:
@@ -27,11 +27,11 @@ form a ring. `shard_for_ring` cuts the batch for it, and attention is one line:
 
     ulysses_attention(q, k, v, ulysses_group, partial(ring_attention, group=ring_group, layout="zigzag"))
 
-Token indices rise along every layout, so a query's keys in a block are one run (`key_ranges`), causal or in a window;
-packed documents are first cut into runs of one document (`meeting_runs`). A fused kernel takes blocks that see
-every key, or causal ones; the einsum tiles, the readable reference, any other. A sink (gpt-oss: a logit per head
-in every softmax, with no value) is one last block to merge. The file reads down the call path; the operators'
-autograd wiring closes it.
+Token indices rise along every layout (`check_layout`), so a query's keys in a block are one run (`key_ranges`),
+causal or in a window; packed documents are first cut into runs of one document (`meeting_runs`). A fused kernel
+takes blocks that see every key, or causal ones; the einsum tiles, the readable reference, any other. A sink
+(gpt-oss: a logit per head in every softmax, with no value) is one last block to merge. The file reads down the
+call path, the operators' autograd wiring last. It needs torch and ulysses.py (size_and_rank).
 """
 
 from functools import partial
@@ -50,31 +50,26 @@ aten = torch.ops.aten  # PyTorch's kernels by name (test_kernels.py puts CPU sta
 def ring_attention(q, k, v, group=None, layout=None, window=None, causal=True, scale=None, return_lse=False,
                    fused=True, position_ids=None, sinks=None):
     """Attention over a sequence split over the R ranks of `group` (None: this rank alone). q [B, L, Hq, D], k and v
-    [B, L, Hkv, D] -> [B, L, Hq, D], q contiguous as that output is (cuDNN's backward wants them alike); return_lse:
-    also the log-sum-exp [B, L, Hq], sinks included, float32 or wider, no gradient. layout: how the tokens were
-    sharded: "zigzag" (shard_for_ring), "contiguous", or each token's index [B, L] in the padded sequence, rising on
-    each rank, each token once over the ring (checked), with position_ids. window: the last `window` tokens, its own
-    included (0 or None: no window). position_ids [B, L]: 0 where a packed document starts (under USP, gathered over
-    the Ulysses group). sinks [Hq]: a logit a head. fused=False: the einsum tiles."""
+    [B, L, Hkv, D] -> [B, L, Hq, D]; q must be contiguous, as that output is (cuDNN's backward wants them alike).
+    return_lse: also the log-sum-exp [B, L, Hq], sinks included, float32 or wider, no gradient. layout: how the tokens
+    were sharded: "zigzag" (shard_for_ring), "contiguous", or each token's index [B, L] in the padded sequence, rising
+    on each rank, each token once over the ring (check_layout), with position_ids. window: the last `window` tokens,
+    its own included (0 or None: no window). position_ids [B, L]: 0 where a packed document starts (under USP,
+    gathered over the Ulysses group). sinks [Hq]: a logit a head. fused=False: the einsum tiles."""
     R = size_and_rank(group)[0]
     given = torch.is_tensor(layout)  # each token's index, not a layout by name
     if ((R > 1 and not given and layout not in ("zigzag", "contiguous")) or
             (given and (layout.shape != q.shape[:2] or position_ids is None))):
-        raise ValueError(f"layout={tuple(layout.shape) if given else layout!r}: a ring of {R} ranks needs the layout "
-                         f"its tokens were sharded in: 'zigzag' (shard_for_ring), 'contiguous', or each token's "
-                         f"index [B, L], with position_ids")
+        raise ValueError(f"layout={tuple(layout.shape) if given else layout!r}: a ring of {R} ranks takes how its "
+                         f"tokens were sharded: 'zigzag', 'contiguous', or each token's index [B, L] with position_ids")
     if window and not causal:
         raise ValueError("a sliding window looks back from each query: use it with causal=True")
     if not torch.compiler.is_compiling():
         check_same_inputs(q, k, v, sinks, group)  # one error on every rank; other arguments must match, unchecked
     if R > 1 and layout == "zigzag" and q.shape[1] % 2:
         raise ValueError(f"{q.shape[1]} tokens on this rank: zigzag's two equal chunks need an even number")
-    indices = (gather_ring(layout, group).cpu() if given else  # (R, B, L): each ring rank's token indices, or (R, 1, L)
+    indices = (check_layout(layout, group) if given else  # (R, B, L): each ring rank's token indices, or (R, 1, L)
                torch.stack([token_index(layout if R > 1 else "contiguous", j, R, q.shape[1])[None] for j in range(R)]))
-    if given and not torch.compiler.is_compiling():  # falling or repeated indices would go wrong silently
-        every = indices.transpose(0, 1).flatten(1)  # (B, R*L) = (B, S)
-        if (indices.diff(dim=-1) <= 0).any() or (every.sort(-1).values != torch.arange(every.shape[1])).any():
-            raise ValueError("layout: each ring rank must hold rising token indices, each token once")
     documents = None
     if position_ids is not None:  # each token index's document, a new one wherever position_ids is 0: [B, S]
         ids = gather_ring(position_ids, group).cpu()  # (R, B, L): every ring rank's position_ids, one all-gather
@@ -105,13 +100,11 @@ def _ring_forward(q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None, documen
         lse = out.new_full(out.shape[:-1], float("-inf"))  # (B, Hq, L): no key yet, so the first block passes through
         kv = torch.stack([k, v])  # (2, B, L, Hkv, D): one message a step but the last, in the input dtype
         for step in range(R):  # at step s this rank holds the block of rank (r - s) mod R
-            if step < R - 1:
-                incoming = pass_on(kv, group, "forward")  # sent while this block is computed on
+            incoming = pass_on(kv, group, "forward") if step < R - 1 else None  # sent while this block is computed on
             for batch, queries, _, lo, hi, k_b, v_b in _blocks(indices, r, step, kv, documents, window, causal):
                 o_b, lse_b = block_attention(q_heads[batch, :, queries], k_b, v_b, lo, hi, scale, kernel)
                 merge(out[batch, :, queries], lse[batch, :, queries], o_b, lse_b)
-            if step < R - 1:
-                kv = arrived(*incoming, q.device)
+            kv = arrived(*incoming, q.device) if incoming else kv  # the next block, rank r-1's
         if sinks is not None:  # one more block a query, after all the others: its lse the sink, its output 0
             merge(out, lse, out.new_zeros(()), sinks.to(lse.dtype)[:, None])  # sinks (Hq,) -> (Hq, 1), lse (B, Hq, L)
     return out.transpose(1, 2).to(q.dtype, copy=True, memory_format=torch.contiguous_format), lse  # -> (B, L, Hq, D)
@@ -130,8 +123,7 @@ def _ring_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, l
         dq = q.new_zeros(q.shape, dtype=torch.promote_types(q.dtype, torch.float32))  # (B, Hq, L, D)
         kv = torch.stack([k, v])  # (2, B, L, Hkv, D)
         for step in range(R):
-            if step < R - 1:
-                incoming = pass_on(kv, group, "backward")
+            incoming = pass_on(kv, group, "backward") if step < R - 1 else None
             dkv = dq.new_zeros(kv.transpose(2, 3).shape)  # (2, B, Hkv, L, D): my queries' terms for the block I hold
             for batch, queries, keys, lo, hi, k_b, v_b in _blocks(indices, r, step, kv, documents, window, causal):
                 dq_b, *dkv_b = block_gradients(q[batch, :, queries], k_b, v_b, out[batch, :, queries],
@@ -141,8 +133,7 @@ def _ring_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, l
             if step > 0:  # rank r-1's sum for this same block, which it held a step ago
                 dkv += arrived(*accumulator, q.device)
             accumulator = pass_on(dkv, group, "backward") if R > 1 else (dkv, [])  # to r+1; home after step R-1
-            if step < R - 1:
-                kv = arrived(*incoming, q.device)
+            kv = arrived(*incoming, q.device) if incoming else kv
         dk, dv = arrived(*accumulator, q.device).transpose(2, 3)  # my own block's, every rank's term: (B, L, Hkv, D)
     dq = dq.transpose(1, 2)  # (B, Hq, L, D) -> (B, L, Hq, D), a view
     return tuple(t.to(q.dtype, copy=True, memory_format=torch.contiguous_format) for t in (dq, dk, dv))  # own memory
@@ -170,7 +161,7 @@ def _blocks(indices, r, step, kv, documents, window, causal):
     """The pieces of the block kv [2, B, L, Hkv, D] that rank r holds at `step` which its queries see: (batch, queries,
     keys: slices of the batch, the L queries, the L keys; lo, hi: the i-th of `queries` sees k[:, :, lo[i]:hi[i]]; k,
     v [B or 1, Hkv, keys, D] views). Packed documents: a piece per run of a document's queries and run of its keys."""
-    if step == 0 and documents is None and not window and causal and kv.shape[2]:  # the search's own block, at once
+    if step == 0 and documents is None and not window and causal and kv.shape[2]:  # own block: keys 0 .. i, no search
         hi = torch.arange(1, kv.shape[2] + 1)  # (L,): no search needed, token indices rise
         yield slice(None), slice(None), slice(None), torch.zeros_like(hi), hi, *kv.transpose(2, 3)
         return
@@ -374,11 +365,21 @@ def shard_for_ring(input_ids, labels, position_ids, ulysses_group, ring_group, l
               torch.cat([position_ids, counting_on], 1)]  # (B, S_pad) each
     B, S_pad = padded[0].shape
     if R > 1 and layout is not None:
-        index = layout(padded[2], R)[:, r]  # (B, R, S_pad/R) -> (B, S_pad/R); ring_attention checks them all
+        index = layout(padded[2], R)[:, r]  # (B, R, S_pad/R) -> (B, S_pad/R); check_layout checks them later
     else:
         index = token_index("zigzag" if R > 1 else "contiguous", r, R, S_pad // R).expand(B, -1)  # (B, S_pad/R)
     index = index.to(input_ids.device)
     return tuple(t.chunk(U, dim=1)[u] for t in [t.gather(1, index) for t in padded] + [index])  # (B, S_pad/P) each
+
+
+def check_layout(layout, group):
+    """Every ring rank's token indices [B, L], as [R, B, L]; ValueError on every rank unless rising, each token once."""
+    every = gather_ring(layout, group).cpu()  # (R, B, L)
+    tokens = every.transpose(0, 1).flatten(1)  # (B, R*L) = (B, S)
+    if not torch.compiler.is_compiling() and ((every.diff(dim=-1) <= 0).any() or
+                                              (tokens.sort(-1).values != torch.arange(tokens.shape[1])).any()):
+        raise ValueError("layout: each ring rank must hold rising token indices, each token once")
+    return every
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -114,16 +114,21 @@ def _document_layout_rank(rank, world_size):
             results.append((index, model(inputs, position_ids, packed=True, token_index=index).detach()))
         except ValueError as e:
             results.append(str(e))
+    try:  # falling token indices, refused where a batch's kernels are made: compiled blocks skip ring_attention's check
+        model.make_kernels(position_ids, True, index.flip(1))
+    except ValueError as e:
+        results.append(str(e))
     return results
 
 
 def test_gated_deltanet_refuses_the_per_document_layout():
     """Under a ring, Gated DeltaNet's context-parallel state passes from rank to rank in the zigzag order, so a
     model with such a layer refuses tokens laid out per document on every rank (it computed wrong logits before,
-    0.12 off); softmax attention alone takes them and equals one device."""
+    0.12 off); softmax attention alone takes them and equals one device, and refuses falling token indices."""
     per_rank = run_ranks(2, _document_layout_rank)
-    for refused, _ in per_rank:
+    for refused, _, falling in per_rank:
         assert refused.startswith("the tokens are laid out in another order than zigzag"), refused
+        assert falling == "layout: each ring rank must hold rising token indices, each token once", falling
     logits = whole_sequence([r[1][1] for r in per_rank], [r[1][0] for r in per_rank])
     inputs, _, position_ids = packed_batch()
     torch.manual_seed(0)

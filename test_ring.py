@@ -236,7 +236,8 @@ def test_shard_for_ring_cuts_the_padded_sequence(U, R):
             assert torch.equal(got, full), (layout, i)
     for shards, one_ring, errors in per_rank:
         assert one_ring is None or all(torch.equal(a, b) for a, b in zip(shards[0], one_ring))
-        assert errors == ["layout: each ring rank must hold rising token indices, each token once"] * (R > 1) * 2
+        refused = "layout: each ring rank must hold rising token indices, each token once"
+        assert errors == [refused] * (2 if R > 1 else 0), errors
     with pytest.raises(ValueError, match=r"^shard_for_ring: input_ids \(2, 15\), labels \(2, 14\), position_ids "):
         ring.shard_for_ring(ids, labels[:, 1:], positions, None, None)
 
@@ -272,21 +273,22 @@ def test_a_ring_of_one_sends_nothing_and_takes_an_empty_shard():
     """group=None: a ring of one rank, its own block alone (the causal square, found without a search; or one
     document's runs). Against SDPA in float64 (1e-12), fused and with the tiles, nothing sent; a rank that holds no
     token gets empty results."""
-    for L, fused, documents in itertools.product((0, 6), (True, False), (False, True)):
+    for L, fused, packed in itertools.product((0, 6), (True, False), (False, True)):
         q = torch.randn(1, L, 4, 8, dtype=torch.float64, requires_grad=True)
         k, v = (torch.randn(1, L, 2, 8, dtype=torch.float64, requires_grad=True) for _ in range(2))
         ring.reset_ring_stats()
-        out = ring.ring_attention(q, k, v, fused=fused, position_ids=torch.arange(L)[None] if documents else None)
+        out = ring.ring_attention(q, k, v, fused=fused, position_ids=torch.arange(L)[None] if packed else None)
         out.backward(torch.ones_like(out))
         assert ring.ring_stats == {"forward": {"calls": 0, "bytes": 0}, "backward": {"calls": 0, "bytes": 0}}
         got = [out.detach(), q.grad, k.grad, v.grad]
-        assert [t.shape for t in got] == [t.shape for t in (q, q, k, v)], (L, fused, documents)
+        assert [t.shape for t in got] == [t.shape for t in (q, q, k, v)], (L, fused, packed)
         if L:
             q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
             want = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)), is_causal=True,
                                                   enable_gqa=True).transpose(1, 2)
             want.backward(torch.ones_like(want))
-            assert_all_close(got, [want.detach(), q.grad, k.grad, v.grad], 1e-12, 1e-12, where=f"{fused}, {documents}")
+            assert_all_close(got, [want.detach(), q.grad, k.grad, v.grad], 1e-12, 1e-12,
+                             where=f"fused={fused} packed={packed}")
 
 
 def _options_rank(rank, R):
@@ -368,8 +370,8 @@ def test_ring_options_lse_and_mismatched_ranks():
         assert errors == [
             f"{by_rank}0: [1, 10, 4, 8, 4, {fp32}]; 1: [1, 12, 4, 8, 4, {fp32}]; 2: [1, 12, 4, 8, 4, {fp32}]){want}",
             f"{by_rank}0: [1, 12, 4, 8, 4, {fp32}]; 1: [1, 12, 4, 8, 4, {fp64}]; 2: [1, 12, 4, 8, 4, {fp64}]){want}",
-            "layout=None: a ring of 3 ranks needs the layout its tokens were sharded in: 'zigzag' (shard_for_ring), "
-            "'contiguous', or each token's index [B, L], with position_ids"] + unfit + [
+            "layout=None: a ring of 3 ranks takes how its tokens were sharded: 'zigzag', 'contiguous', or each token's "
+            "index [B, L] with position_ids"] + unfit + [
             "layout: each ring rank must hold rising token indices, each token once"] * 2
 
 

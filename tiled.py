@@ -30,7 +30,7 @@ Every rank must run the same number of tiles: fn may run collectives (were fn a 
 gather once per tile, in forward and again in backward), and a rank that makes one call fewer hangs the group. The
 tile count therefore depends only on n_tiles and S_local = x.shape[1], as min(n_tiles, S_local): every rank holds
 the same padded length S/P, so every rank computes the same count. ALST picks tiles of about h tokens (n_tiles =
-ceil(S/h)), so that a tile's [B, h, I] is B times the size of the MLP's weight [I, h] at any sequence length.
+ceil(S_local/h)), so that a tile's [B, h, I] is B times the size of the MLP's weight [I, h] at any sequence length.
 
 This file depends on torch alone: copy it into your own project.
 """

@@ -36,9 +36,9 @@ the loss is already divided by the valid-token count of the whole global batch, 
 
 Offloaded (ZeRO3(..., offload_to=torch.device("cpu")), ALST's single-GPU setting): the float32 shards, their
 gradients and with them AdamW's state live in CPU memory, 16 bytes a parameter / N (plus the compute-dtype buffer
-below), and AdamW steps there. Between steps the GPU keeps no model state, in a step the gathered units: a gather
-copies the shard in the compute dtype from a host buffer (pinned on CUDA, so the copy does not wait), refilled at a
-gather when the shard has changed since the last refill; each reduced gradient goes to host memory at once.
+below), and AdamW steps there. The GPU keeps no model state between steps, and in a step only the gathered units:
+a gather copies the shard in the compute dtype from a host buffer (pinned on CUDA, so the copy does not wait),
+refilled when the shard has changed since the last refill; each reduced gradient goes to host memory at once.
 
     host      shard fp32 -> bf16 buffer          shard.grad fp32 <-+         AdamW (moments, step)
                                  | copy                             | copy
