@@ -1,6 +1,6 @@
 """
 Ring attention: causal (or full) attention over a sequence split over the R ranks of a ring. A rank keeps its
-queries (the heads it holds) while keys and values travel. With ulysses.py: Ulysses x Ring (USP), for more ranks.
+queries while keys and values travel. With ulysses.py: Ulysses x Ring (USP), for more ranks than heads.
 
 Rank r holds L = S/R tokens. At each of R steps it attends its queries to the key/value block it holds; in all
 but the last it meanwhile sends that block to rank r+1 and receives rank r-1's. Then every query has met every key:
@@ -161,7 +161,7 @@ def _blocks(indices, r, step, kv, documents, window, causal):
     """The pieces of the block kv [2, B, L, Hkv, D] that rank r holds at `step` which its queries see: (batch, queries,
     keys: slices of the batch, the L queries, the L keys; lo, hi: the i-th of `queries` sees k[:, :, lo[i]:hi[i]]; k,
     v [B or 1, Hkv, keys, D] views). Packed documents: a piece per run of a document's queries and run of its keys."""
-    if step == 0 and documents is None and not window and causal and kv.shape[2]:  # own block: keys 0 .. i, no search
+    if step == 0 and documents is None and not window and causal and kv.shape[2]:  # own block: query i sees keys 0 .. i
         hi = torch.arange(1, kv.shape[2] + 1)  # (L,): no search needed, token indices rise
         yield slice(None), slice(None), slice(None), torch.zeros_like(hi), hi, *kv.transpose(2, 3)
         return
