@@ -29,8 +29,8 @@ One optimizer step on the dp x sp mesh (sp = ring x ulysses), numbered as the co
   3. (rule 2) sequences are padded at the end to S_pad, a multiple of sp (of 2 sp with --ring; label -100), and SP rank
      r keeps tokens [r*S_pad/sp, (r+1)*S_pad/sp) with their GLOBAL position ids (ulysses.shard_for_sp; with --ring,
      ring.shard_for_ring: the zigzag order, or with --balance documents each document's share);
-  4. (rule 3) forward on the local tokens: embeddings, norms, MLP and loss per token, attention through
-     ulysses_attention's exchanges (gpt.py); the model returns the SUM of its token losses;
+  4. (rule 3) forward on the local tokens: embeddings, norms, MLP and loss per token, attention through the
+     exchanges of ulysses_attention (gpt.py); the model returns the SUM of its token losses and its correct count;
   5. (rule 4) loss = that sum / the valid tokens of the WHOLE global batch, all dp x sp ranks and micro-steps
      (ulysses.global_valid_tokens, counted before step 4); a batch without valid tokens gives 0, never NaN;
   6. (rule 4) backward; gradients are SUMMED over all dp x sp ranks (ZeRO-3 reduce-scatters with SUM). With step
@@ -39,7 +39,7 @@ One optimizer step on the dp x sp mesh (sp = ring x ulysses), numbered as the co
      non-finite loss or gradient norm stops the run here, before the update); AdamW updates this rank's shard (all of
      the model under --zero 0) at the step's learning rate (lr_at); ZeRO-3 and FSDP2 gather it in the next forward.
 A plain `python train.py` is a process group of one: the gradients' and the totals' all-reduces run there too (on
-one rank they copy); attention makes no all-to-all.
+one rank they change nothing); attention makes no all-to-all.
 """
 
 import math
@@ -88,9 +88,9 @@ def train(args, run, resume_from, traced=None):
 
 
 def build(args, world_size, mesh, device, host=torch.device("cpu")):
-    """The model on `device`, sharded over every rank, its optimizer, and step(i, documents), which runs optimizer
-    step i of this rank on its micro-batches (steps 1 to 7). host: where --offload and --offload-optimizer keep what
-    they move off the device. memory.py runs it on fake tensors (memory.trace)."""
+    """(model on `device`, zero: its ZeRO-3 sharding or None, optimizer, parameter count, step(i, documents), which runs
+    optimizer step i of this rank on its micro-batches: steps 1 to 7). host: where --offload and --offload-optimizer
+    keep what they move off the device. memory.py runs it on fake tensors (memory.trace)."""
     torch.manual_seed(args.seed)  # every rank builds the same initial model
     # the mesh is dp x ring x ulysses (sp = ring x ulysses: no group of its own), row-major: a Ulysses group's ranks are
     # consecutive (the fastest links). The ulysses group runs the all-to-alls; the ring group passes key/value blocks

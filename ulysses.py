@@ -18,7 +18,7 @@ elements sends B * S * h * (P-1)/P^2. So per layer each rank sends, in elements 
 
     forward:  B * S * (2*h + 2*h_kv) * (P-1) / P^2        backward: the same again
 
-When P grows in step with S, that levels off at B * S/P * (2*h + 2*h_kv); an all-gather of k and v grows with S.
+When P grows in step with S, that approaches B * S/P * (2*h + 2*h_kv); an all-gather of k and v grows with S.
 
 Four rules make training on P ranks equal to training on one device; this file holds what rules 2 to 4 need:
   1. shift the labels by one BEFORE sharding (a shard's last label is the next rank's first token);
@@ -217,7 +217,7 @@ _exchange.register_autograd(_exchange_backward, setup_context=_keep_exchange)
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# attention kernels: any function of full-sequence q, k, v [B, S, heads, D] can run between the all-to-alls
+# attention kernels between the all-to-alls: any function of full-sequence q, k, v [B, S, heads, D] that hides the pads
 
 
 def causal_attention(q, k, v):
