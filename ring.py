@@ -27,11 +27,11 @@ form a ring. `shard_for_ring` cuts the batch for it, and attention is one line:
 
     ulysses_attention(q, k, v, ulysses_group, partial(ring_attention, group=ring_group, layout="zigzag"))
 
-Token indices rise along every layout (`check_layout`), so a query's keys in a block are one run (`key_ranges`),
-causal or in a window; packed documents are first cut into runs of one document (`meeting_runs`). A fused kernel
-takes blocks that see every key, or causal ones; the einsum tiles, the readable reference, any other. A sink
-(gpt-oss: a logit per head in every softmax, with no value) is one last block to merge. The file reads down the
-call path, the operators' autograd wiring last. It needs torch and ulysses.py (size_and_rank).
+Token indices rise along every layout (`check_layout`), so a query's keys in a block are one run (`key_ranges`), causal
+or in a window; packed documents are first cut into runs of consecutive tokens of one document (`meeting_runs`). A fused
+kernel takes blocks that see every key, or causal ones; the einsum tiles, the readable reference, any other. A sink
+(gpt-oss: a logit per head in every softmax, with no value) is one last block to merge. The file reads down the call
+path, the operators' autograd wiring last. It needs torch and ulysses.py (size_and_rank).
 """
 
 from functools import partial
@@ -62,8 +62,8 @@ def ring_attention(q, k, v, group=None, layout=None, window=None, causal=True, s
             (given and (layout.shape != q.shape[:2] or position_ids is None))):
         raise ValueError(f"layout={tuple(layout.shape) if given else layout!r}: a ring of {R} ranks takes how its "
                          f"tokens were sharded: 'zigzag', 'contiguous', or each token's index [B, L] with position_ids")
-    if window and not causal:
-        raise ValueError("a sliding window looks back from each query: use it with causal=True")
+    if window and (not causal or window < 0):
+        raise ValueError(f"window={window}: a sliding window looks back from each query: 1 or more tokens, causal=True")
     if not torch.compiler.is_compiling():
         check_same_inputs(q, k, v, sinks, group)  # one error on every rank; other arguments must match, unchecked
     if R > 1 and layout == "zigzag" and q.shape[1] % 2:
@@ -104,7 +104,7 @@ def _ring_forward(q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None, documen
             for batch, queries, _, lo, hi, k_b, v_b in _blocks(indices, r, step, kv, documents, window, causal):
                 o_b, lse_b = block_attention(q_heads[batch, :, queries], k_b, v_b, lo, hi, scale, kernel)
                 merge(out[batch, :, queries], lse[batch, :, queries], o_b, lse_b)
-            kv = arrived(*incoming, q.device) if incoming else kv  # the next block, rank r-1's
+            kv = arrived(*incoming, q.device) if incoming else kv  # the block rank r-1 held this step
         if sinks is not None:  # one more block a query, after all the others: its lse the sink, its output 0
             merge(out, lse, out.new_zeros(()), sinks.to(lse.dtype)[:, None])  # sinks (Hq,) -> (Hq, 1), lse (B, Hq, L)
     return out.transpose(1, 2).to(q.dtype, copy=True, memory_format=torch.contiguous_format), lse  # -> (B, L, Hq, D)
@@ -166,7 +166,7 @@ def _blocks(indices, r, step, kv, documents, window, causal):
         yield slice(None), slice(None), slice(None), torch.zeros_like(hi), hi, *kv.transpose(2, 3)
         return
     q_at, k_at = indices[r], indices[(r - step) % len(indices)]  # (B or 1, L) each: queries' and keys' token indices
-    if documents is None or not kv.shape[2]:  # (batch, where queries and keys start in the blocks, their indices)
+    if documents is None or not kv.shape[2]:  # parts: (batch, queries' and keys' starts, their token indices)
         parts = [(slice(None), 0, 0, q_at[0], k_at[0])]
     else:
         q_at, k_at = (t.expand(len(documents), -1) for t in (q_at, k_at))  # (B, L) each: every row's own
@@ -289,7 +289,7 @@ def at_least_float32(t):  # 16-bit floats as float32; float32 and float64 as the
     return t.to(torch.promote_types(t.dtype, torch.float32))
 
 
-def _cpu_flash_forward(q, k, v, causal, scale):  # any head size, grouped heads; 16-bit in float32 (as fast, exact)
+def _cpu_flash_forward(q, k, v, causal, scale):  # any head size, grouped heads; 16-bit as float32 (exact)
     return aten._scaled_dot_product_flash_attention_for_cpu(*map(at_least_float32, (q, k, v)), 0.0, causal, scale=scale)
 
 
@@ -301,7 +301,7 @@ def _cpu_flash_backward(dout, q, k, v, out, lse, causal, scale):
 def _cuda_forward(q, k, v, causal, scale, cudnn=False):
     """PyTorch's CUDA flash kernel takes the last dim contiguous, fp16 or bf16 alike for q, k, v, a head size that is a
     multiple of 8 up to 256 (SDPA pads; this call does not), Hq a multiple of Hkv. cuDNN's: head size <= 128, two
-    keys or more (a one-key block is "full"), lse [B, Hq, Lq, 1], causal blocks only (a GPU held it to those)."""
+    keys or more (a one-key block is "full"), lse [B, Hq, Lq, 1], causal blocks only (full ones go to flash)."""
     if cudnn and causal:
         out, lse = aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, True, scale=scale)[:2]
         return out.float(), lse.squeeze(-1)  # lse (B, Hq, Lq, 1) -> (B, Hq, Lq)
@@ -351,10 +351,10 @@ def cut(lo, hi):
 
 
 def shard_for_ring(input_ids, labels, position_ids, ulysses_group, ring_group, layout=None):
-    """Full sequences [B, S] -> this rank's [B, S_pad/P] input ids, labels (shifted), position ids and token index
-    (its place in the padded sequence), P = U x R. Pads to a multiple of 2P (P for a ring of one, as
-    ulysses.shard_for_sp): input 0, label -100, positions counting on. Ring rank r takes zigzag chunks r and 2R-1-r,
-    or layout(padded position ids, R)[:, r] ([B, R, S_pad/R]: documents.document_layout's), split over its U ranks."""
+    """Full sequences [B, S] -> this rank's [B, S_pad/P] input ids, labels (shifted before), position ids and token
+    index (its place in the padded sequence), P = U x R. Pads to a multiple of 2P (P for a ring of one, as
+    ulysses.shard_for_sp): input 0, label -100, positions counting on. Ring rank r takes zigzag chunks r and 2R-1-r, or
+    layout(padded position ids, R)[:, r] ([B, R, S_pad/R]: documents.document_layout's), split over its U ranks."""
     if input_ids.dim() != 2 or labels.shape != input_ids.shape or position_ids.shape != input_ids.shape:
         raise ValueError(f"shard_for_ring: input_ids {tuple(input_ids.shape)}, labels {tuple(labels.shape)}, "
                          f"position_ids {tuple(position_ids.shape)}: want [B, S] each, labels already shifted")
@@ -373,7 +373,7 @@ def shard_for_ring(input_ids, labels, position_ids, ulysses_group, ring_group, l
 
 
 def check_layout(layout, group):
-    """Every ring rank's token indices [B, L], as [R, B, L]; ValueError on every rank unless rising, each token once."""
+    """Every ring rank's token indices [B, L], as [R, B, L]; ValueError unless rising, each once (not when compiled)."""
     every = gather_ring(layout, group).cpu()  # (R, B, L)
     tokens = every.transpose(0, 1).flatten(1)  # (B, R*L) = (B, S)
     if not torch.compiler.is_compiling() and ((every.diff(dim=-1) <= 0).any() or
@@ -417,7 +417,7 @@ def check_same_inputs(q, k, v, sinks, group):
 
 
 def gather_ring(x, group):
-    """x [B, L] (any 2-D tensor) of every rank of the group: [R, B, L], on x's device. One all-gather."""
+    """x (any shape, here [B, L]) of every rank of the group: [R, B, L], on x's device. One all-gather."""
     if group is None:
         return x[None]  # (1, B, L)
     every = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]  # (B, L) of each rank

@@ -325,6 +325,11 @@ def _options_rank(rank, R):
         ring.ring_attention(q, kv, kv, dist.group.WORLD, "zigzag", sinks=torch.zeros(3 if rank == 1 else 4))
     except ValueError as e:
         errors.append(str(e))
+    for window, causal in ((-1, True), (4, False)):
+        try:  # a window that looks forward, or one without causal attention
+            ring.ring_attention(q, kv, kv, dist.group.WORLD, "zigzag", window=window, causal=causal)
+        except ValueError as e:
+            errors.append(str(e))
     mine = ring.token_index("contiguous", rank, R, 8)[None]  # (1, 8): rising, each token once over the ranks
     for index in (mine.flip(1) if rank == 1 else mine, ring.token_index("contiguous", 0, R, 8)[None]):
         try:  # token indices given that fall on rank 1, then the same indices on every rank
@@ -339,7 +344,8 @@ def test_ring_options_lse_and_mismatched_ranks():
     (1e-12), the fused kernel and the einsum tiles, each layout. Ranks that hold different token counts or dtypes
     get one error on every rank naming each rank's value, never a gloo abort, and so does a rank whose own k and v
     do not fit its q (another head size, another dtype, three dimensions) or whose sinks do not fit its query heads;
-    a ring called without its layout is refused, and so are token indices that fall on a rank or repeat a token."""
+    a ring called without its layout is refused, and so are a window that looks forward, a window without causal
+    attention, and token indices that fall on a rank or repeat a token."""
     R = 3
     per_rank = run_ranks(R, _options_rank)
     for i, causal in enumerate((False, False, True, True)):
@@ -372,7 +378,8 @@ def test_ring_options_lse_and_mismatched_ranks():
             f"{by_rank}0: [1, 12, 4, 8, 4, {fp32}]; 1: [1, 12, 4, 8, 4, {fp64}]; 2: [1, 12, 4, 8, 4, {fp64}]){want}",
             "layout=None: a ring of 3 ranks takes how its tokens were sharded: 'zigzag', 'contiguous', or each token's "
             "index [B, L] with position_ids"] + unfit + [
-            "layout: each ring rank must hold rising token indices, each token once"] * 2
+            f"window={w}: a sliding window looks back from each query: 1 or more tokens, causal=True"
+            for w in (-1, 4)] + ["layout: each ring rank must hold rising token indices, each token once"] * 2
 
 
 def _large_scores(seed=2):
