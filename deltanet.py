@@ -14,7 +14,7 @@ The same step in two halves, as `gated_delta_rule` computes it:
     M   = exp(g_t) M_{t-1}                      forget: g_t <= 0 is the log of the decay
     M_t = M + beta_t k_t (v_t - M^T k_t)^T      learn: a gradient step on |M^T k_t - v_t|^2 / 2, rate beta_t
 
-q_t and k_t come L2-normalised and beta_t in (0, 1), so the step moves what M returns for k_t a share beta_t
+With k_t L2-normalised (the layer does it) and beta_t in (0, 1), the step moves what M returns for k_t a share beta_t
 of the way to v_t. A document start resets the state: exp(g_t) = 0 there. The kernels take softmax attention's
 layout, one head per value head: q, k [B, S, H, Dk], v [B, S, H, Dv], g and beta [B, S, H], and `starts`, a
 bool [B, S] marking where documents start (None: one document a row) -> o [B, S, H, Dv].
@@ -24,12 +24,12 @@ The chunked form. S rank-one updates one after another are slow. Cut the sequenc
 Inside a chunk, each state and each output is affine in the state M0 the chunk starts from: a matrix times M0, plus
 a term from the chunk's own tokens. So the C steps unroll into matrix products. One triangular solve gives all the
 chunk's corrections at once, as affine functions of M0 (the UT transform). Only the state is carried, in a loop
-over the S/C chunks. Every step of this algebra is an identity: nothing is dropped or approximated. So the chunked
+over the ceil(S/C) chunks. Every step of this algebra is an identity: nothing is dropped or approximated. So the chunked
 form equals the recurrence up to float round-off (the tests hold it there at 1e-10 in float64).
 `chunk_gated_delta_rule` writes the algebra out.
 
-The causal convolution. Before the rule, every channel of q, k and v mixes its own last conv_width tokens (4 by
-default): a depthwise convolution that never looks ahead. Then silu. It restarts at every document start too.
+The causal convolution. Before the rule, every channel of q, k and v mixes each token with the conv_width-1 before it (4
+taps by default): a depthwise convolution that never looks ahead, then silu. It restarts at every document start.
 
 The layer. One projection turns x [B, S, h] into q and k [B, S, Hk, Dk], v and z [B, S, Hv, Dv], and b and a
 [B, S, Hv]. beta = sigmoid(b); g = -exp(A_log) softplus(a + dt_bias), with A_log and dt_bias per value head as
@@ -55,12 +55,12 @@ Three all-to-alls a layer forward (q and k side by side to key heads, v, b and a
 in backward. Value heads are split over the ranks as query heads are, and each rank receives exactly the key heads
 its value heads use (`head_layout`, value heads in the role of query heads). A value head stays whole on one rank (a
 key head may go to several): at most Hv ranks, and the bytes grow with S. With packed documents, the starts come
-from the all-gathered global position ids, so a shard boundary is not taken for a document start.
+from the all-gathered position ids, since the rule runs over the whole sequence.
 
-The context-parallel way (gdn_parallel="context") moves the state instead. Each rank keeps its own tokens with all
-heads. The rule is affine in its starting state: over a run of tokens, state_out = T @ state_in + h_ext, with h_ext
-[Dk, Dv] the state reached from zero and T [Dk, Dk] the product of the tokens' transitions exp(g_t) (I - beta_t k_t
-k_t^T). A document start inside the run zeroes T by itself (its decay is 0). So:
+The context-parallel way (gdn_parallel="context") moves summaries of the state instead. Each rank keeps its own tokens
+with all heads. The rule is affine in its starting state: over a run of tokens, state_out = T @ state_in + h_ext, with
+h_ext [Dk, Dv] the state reached from zero and T [Dk, Dk] the product of the tokens' transitions exp(g_t) (I - beta_t
+k_t k_t^T), the latest leftmost. A document start inside the run zeroes T by itself (its decay is 0). So:
 
     rank 0        rank 1        rank 2          each rank: (T_r, h_r) of its tokens, one kernel call a run
     T_0, h_0      T_1, h_1      T_2, h_2        all-gather the pairs, then each folds those before it:
@@ -104,7 +104,7 @@ class DeltaNetConfig:
     gdn_v_heads: int = 0
     gdn_k_dim: int = 0
     gdn_v_dim: int = 0
-    gdn_parallel: str = "ulysses"  # under SP: "ulysses" moves the heads, "context" the state (beside a ring too)
+    gdn_parallel: str = "ulysses"  # under SP: "ulysses" moves the heads, "context" state summaries (beside a ring)
 
     def resolve_deltanet(self, n_head, head_dim):
         """Each 0 to its default, then a ValueError naming a setting that does not fit."""
@@ -217,8 +217,8 @@ def reset_context_stats():
 
 
 def _all_to_all_sum(grad, group):
-    """The gradient of an all-gather: grad [P, ...], row j my gradient of rank j's piece -> [...], the sum of every
-    rank's row for my piece (a reduce-scatter as an all-to-all and a sum: gloo's own all-reduces, twice the bytes)."""
+    """The gradient of an all-gather: grad [P, ...], row j my gradient of rank j's piece -> the sum of every rank's row
+    for my piece: a reduce-scatter, by all-to-all and sum (gloo's own is an all-reduce: 2x the bytes)."""
     P = grad.shape[0]
     send = grad.contiguous()
     received = torch.empty_like(send)  # (P, ...): row i is rank i's gradient of my piece
@@ -265,14 +265,14 @@ class _GatherThen(torch.autograd.Function):
 
 
 def zigzag_only(layout, ring_group):
-    """ValueError on every rank unless a ring's tokens, each one's position [B, U L] on my ring rank, are laid out in
-    zigzag order: the state passes from ring rank to ring rank in that order."""
+    """ValueError on every rank unless a ring's tokens, each one's token index [B, U L] on my ring rank, are laid out
+    in zigzag order: the runs are chained in that order (token_runs)."""
     every = gather_ring(layout, ring_group)  # (R, B, U L): every ring rank's, so all decide alike
     zigzag = torch.stack([token_index("zigzag", r, len(every), every.shape[2]) for r in range(len(every))])  # (R, U L)
     if not torch.equal(every, zigzag[:, None].expand_as(every).to(every.device)):
         raise ValueError("the tokens are laid out in another order than zigzag (as documents.document_layout lays them "
-                         "out), which Gated DeltaNet layers do not take under a ring: their state passes from rank to "
-                         "rank in the zigzag order; shard with the default layout")
+                         "out), which Gated DeltaNet layers do not take under a ring: their runs are chained in the "
+                         "zigzag order; shard with the default layout")
 
 
 def token_runs(context, L):
@@ -335,10 +335,10 @@ def context_conv1d(x, weight, starts, lefts, mine):
 
 
 def context_gated_delta_rule(q, k, v, g, beta, starts, context, links):
-    """chunk_gated_delta_rule over the whole sequence, when this rank holds only its runs of it (same arguments,
-    [B, L, ...] each). One call of the kernel per run gives its outputs from a zero state, its summary [h_ext | T]
-    and what a starting state adds to each output; the gathered summaries of the runs before it give its
-    starting state."""
+    """chunk_gated_delta_rule over the whole sequence, when this rank holds only its runs of it (q, k, v, g, beta,
+    starts as that takes them, [B, L, ...] each; context: the Ulysses and ring groups; links: chain's). One call of the
+    kernel per run gives its outputs from a zero state, its summary [h_ext | T] and what a starting state adds to each
+    output; the gathered summaries of the runs before it give its starting state."""
     B, _, H, Dk = q.shape
     Dv = v.shape[-1]
     mine, before, slots = links
@@ -461,9 +461,9 @@ class GatedDeltaNet(nn.Module):
         return self.proj(self.norm(o, z).flatten(2))  # (B, S_local, h); the gate z is per token: it never left
 
     def all_to_all_bytes(self, tokens, element_bytes):
-        """(forward, backward) bytes this rank sends per call: q and k (Dk each) to the other ranks' key heads, v
-        (Dv), b and a (one each) to their value heads, and the output (Dv) back; backward the reverse. The
-        context-parallel way sends none (context_bytes counts what it sends)."""
+        """(forward, backward) bytes this rank sends per call of `tokens` local tokens (B x S/P): q and k (Dk each) to
+        the other ranks' key heads, v (Dv), b and a (one each) to their value heads, and the output (Dv) back; backward
+        the reverse. The context-parallel way sends none (context_bytes counts what it sends)."""
         if self.parallel == "context":
             return 0, 0
         _, _, Dk, Dv = self.dims
@@ -476,7 +476,7 @@ class GatedDeltaNet(nn.Module):
 
     def context_bytes(self, batch, tokens, element_bytes):
         """(forward, backward) bytes this rank sends per call on the context-parallel way, `tokens` local tokens in
-        each of `batch` rows: per run slot (the most runs a rank has: 1 or 2) and row, to each of the P-1 other ranks,
+        each of `batch` rows: per run slot (the most runs a rank has: 1 or 2) and row, P-1 pieces over the two gathers,
         the summary [h_ext | T], [Dk, Dv + Dk] a value head in float32 (or wider), and the last conv_width-1 tokens
         before the convolution (2*Hk*Dk + Hv*Dv channels, a start flag) in the inputs' dtype. Backward the same."""
         Hk, Hv, Dk, Dv = self.dims
