@@ -195,7 +195,7 @@ def layer_kernels(cfg, sp_group=None, ring_group=None):
         gathered = gather_sequence(position_ids, sp_group) if packed else None  # (B, S_local x Ulysses ranks)
         if ring or cfg.sinks:  # the ring's kernel takes sinks: with sinks and no ring, a ring of one rank
             layout = gather_sequence(token_index, sp_group) if packed and ring and token_index is not None else "zigzag"
-            if torch.is_tensor(layout):  # checked here, eagerly, for compiled blocks too; DeltaNet's state wants zigzag
+            if torch.is_tensor(layout):  # checked here, eagerly, for compiled blocks too; DeltaNet chains in zigzag
                 (zigzag_only if "d" in cfg.layer_pattern else check_layout)(layout, ring_group)
             attend = partial(ring_attention, group=ring_group, layout=layout, window=window, position_ids=gathered)
         elif packed:

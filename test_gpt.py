@@ -122,7 +122,7 @@ def _document_layout_rank(rank, world_size):
 
 
 def test_gated_deltanet_refuses_the_per_document_layout():
-    """Under a ring, Gated DeltaNet's context-parallel state passes from rank to rank in the zigzag order, so a
+    """Under a ring, Gated DeltaNet's context-parallel runs are chained in the zigzag order, so a
     model with such a layer refuses tokens laid out per document on every rank (it computed wrong logits before,
     0.12 off); softmax attention alone takes them and equals one device, and refuses falling token indices."""
     per_rank = run_ranks(2, _document_layout_rank)
