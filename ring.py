@@ -55,7 +55,7 @@ def ring_attention(q, k, v, group=None, layout=None, window=None, causal=True, s
     were sharded: "zigzag" (shard_for_ring), "contiguous", or each token's index [B, L] in the padded sequence, rising
     on each rank, each token once over the ring (check_layout), with position_ids. window: the last `window` tokens,
     its own included (0 or None: no window). position_ids [B, L]: 0 where a packed document starts (under USP,
-    gathered over the Ulysses group). sinks [Hq]: a logit a head. fused=False: the einsum tiles."""
+    gathered over the Ulysses group). sinks [Hq]: a logit per head. fused=False: the einsum tiles."""
     R = size_and_rank(group)[0]
     given = torch.is_tensor(layout)  # each token's index, not a layout by name
     if ((R > 1 and not given and layout not in ("zigzag", "contiguous")) or
@@ -98,7 +98,7 @@ def _ring_forward(q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None, documen
         q_heads = q.transpose(1, 2)  # (B, L, Hq, D) -> (B, Hq, L, D), a view; each kernel widens what it must
         out = q_heads.new_zeros(q_heads.shape, dtype=torch.promote_types(q.dtype, torch.float32))  # (B, Hq, L, D)
         lse = out.new_full(out.shape[:-1], float("-inf"))  # (B, Hq, L): no key yet, so the first block passes through
-        kv = torch.stack([k, v])  # (2, B, L, Hkv, D): one message a step but the last, in the input dtype
+        kv = torch.stack([k, v])  # (2, B, L, Hkv, D): one message per step but the last, in the input dtype
         for step in range(R):  # at step s this rank holds the block of rank (r - s) mod R
             incoming = pass_on(kv, group, "forward") if step < R - 1 else None  # sent while this block is computed on
             for batch, queries, _, lo, hi, k_b, v_b in _blocks(indices, r, step, kv, documents, window, causal):

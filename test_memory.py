@@ -143,7 +143,7 @@ def test_a_plan_prints_the_traced_peak_and_the_longest_sequence(capsys, tmp_path
     plan = json.loads(metrics.read_text())
     assert f"fits: {plan['peak_bytes'] / 2**30:.1f} GiB of 1.0 GiB" in printed, (plan, printed)
     assert f"longest sequence that fits: {plan['longest']:,} tokens" in printed, (plan, printed)
-    assert re.match(r"plan: 8 GPUs, sp 8, seq 65,536: fits: [\d.]+ GiB of 1.0 GiB per GPU for 8,192 tokens a rank, "
+    assert re.match(r"plan: 8 GPUs, sp 8, seq 65,536: fits: [\d.]+ GiB of 1.0 GiB per GPU for 8,192 tokens per rank, "
                     r"and [\d.]+ GiB of CPU memory per GPU \(the step traced on fake tensors, rank 0, 3 layers, \d+ s; "
                     r"eager, as --compile is not traced\)\nlongest sequence that fits: [\d,]+ tokens \(within 1%; "
                     r"the search traced for \d+ s\)\n$", printed), printed

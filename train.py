@@ -57,7 +57,7 @@ from zero3 import ZeRO3, fsdp2_shard
 
 
 def main(argv=None):
-    """The run, top to bottom. Returns its history: a dict a step (loss, accuracy, grad_norm, lr, tokens, seconds);
+    """The run, top to bottom. Returns its history: a dict per step (loss, accuracy, grad_norm, lr, tokens, seconds);
     with --plan, whether the run fits."""
     args = launch.parse_args(argv)  # the flags
     with launch.one_line_errors():  # a mistake: one line, and exit status 1 on every rank

@@ -255,7 +255,7 @@ def plan(args, build):
     eager = "; eager, as --compile is not traced" * args.compile
     print(f"plan: {world_size} GPU{'s' * (world_size > 1)}, sp {args.sp}{usp}, seq {args.seq_len:,}: "
           f"{'fits' if fits else 'does NOT fit'}: {gib(here['device'])} of {gib(memory)} per GPU for "
-          f"{local_tokens(args):,} tokens a rank, and {gib(here['host'])} of CPU memory per GPU (the step traced on "
+          f"{local_tokens(args):,} tokens per rank, and {gib(here['host'])} of CPU memory per GPU (the step traced on "
           f"fake tensors, rank {here['rank']}, {here['how']}, {here['seconds']:.0f} s{eager})", flush=True)
     start, peaks = time.perf_counter(), {args.seq_len: here["device"]}
     n = longest(lambda S: peaks.get(S) or planned(args, world_size, build, seq_len=S)["device"], args.seq_len,
