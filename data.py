@@ -1,9 +1,9 @@
 """
 What train.py learns from: full sequences with their labels and position ids, made so that every layout trains
 on the same global batch. Sample i is a function of (seed, i) and the data alone, and the global batch of step t
-is samples [t*G, (t+1)*G) (G sequences a step), for any dp, sp and grad_accum that keep G.
+is samples [t*G, (t+1)*G) (G sequences per step), for any dp, sp and grad_accum that keep G.
 
-Two sources, each unpacked (a sequence from one document) or packed (several documents a sequence; position ids count
+Two sources, each unpacked (a sequence from one document) or packed (several documents per sequence; position ids count
 within each document and are 0 where one starts, and only there):
   - the copy task (default): random tokens, then the same tokens again, and only the copy is scored. Under SP the
     copy lives on other ranks than the original, so it cannot be learned unless attention crosses the shards.

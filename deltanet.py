@@ -51,7 +51,7 @@ and back, on this rank's value heads; the rest stays outside (the gate's z never
                                      (my heads' A_log and dt_bias), the
                                      gated delta rule -> o
 
-Three all-to-alls a layer forward (q and k side by side to key heads, v, b and a to value heads, o back), and three
+Three all-to-alls per layer forward (q and k side by side to key heads, v, b and a to value heads, o back), and three
 in backward. Value heads are split over the ranks as query heads are, and each rank receives exactly the key heads
 its value heads use (`head_layout`, value heads in the role of query heads). A value head stays whole on one rank (a
 key head may go to several): at most Hv ranks, and the bytes grow with S. With packed documents, the starts come
@@ -307,7 +307,7 @@ def left_contexts(x, starts, context, width, links):
     """x [B, L, ch]: this rank's channels before the convolution; starts [B, L] its document starts (None: none);
     links: chain(context, L) -> for each of its runs the `width` tokens before it in the global sequence,
     [B, width, ch + 1], the last channel 1.0 where a document starts; zeros before the first token. Every rank
-    sends `width` rows a run: its last tokens, after zeros if the run is shorter (the runs before it fill in)."""
+    sends `width` rows per run: its last tokens, after zeros if the run is shorter (the runs before it fill in)."""
     B, L, ch = x.shape
     mine, before, slots = links
     flags = x.new_zeros(B, L) if starts is None else starts.to(x.dtype)  # (B, L)

@@ -98,7 +98,7 @@ def document_layout(position_ids, R):
     run of a document on a rank costs the ring a kernel call per block."""
     B, S = position_ids.shape
     if S % R:
-        raise ValueError(f"document_layout: {S} tokens a row do not split over a ring of {R}; pad to a multiple of R")
+        raise ValueError(f"document_layout: {S} tokens per row do not split over a ring of {R}; pad to a multiple of R")
     L = S // R
     layout = torch.empty(B, R, L, dtype=torch.long)
     for b, positions in enumerate(position_ids.cpu()):

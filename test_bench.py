@@ -118,5 +118,5 @@ def test_document_layout_balances_a_long_document():
         assert sum(balanced) == sum(zigzag)
         assert max(balanced) / (sum(balanced) / R) <= 1.05, (R, balanced)
         assert max(zigzag) / (sum(zigzag) / R) > 1.6, (R, zigzag)
-    with pytest.raises(ValueError, match=r"^document_layout: 4095 tokens a row do not split over a ring of 2; pad "):
+    with pytest.raises(ValueError, match=r"^document_layout: 4095 tokens per row do not split over a ring of 2; pad "):
         documents.document_layout(positions[:, 1:], 2)  # no room for the last token: it looped forever

@@ -276,7 +276,7 @@ def shard_for_sp(input_ids, labels, position_ids, group=None):
 
 def global_valid_tokens(labels, group=None):
     """The labelled tokens (label != -100) of the whole global batch, an int64 tensor. labels: this rank's [B,
-    S_local], or a list (one a micro-step); group: every rank of the batch, data- and sequence-parallel. Each rank
+    S_local], or a list (one per micro-step); group: every rank of the batch, data- and sequence-parallel. Each rank
     divides the SUM of its token losses by it, so the summed gradients are those of the global batch's mean loss.
     Never 0: a batch without labels gives loss 0, not NaN."""
     labels = [labels] if torch.is_tensor(labels) else labels
