@@ -194,8 +194,8 @@ def test_a_run_that_cannot_fit_the_gpu_is_refused(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free[0], 80 * 2**30))
     args = launch.parse_args(["--device", "cuda", "--seq-len", "1000000", "--batch-size", "1"])
-    with pytest.raises(launch.Mistake, match=r"^this run would need [\d.]+ GiB per rank for 1,000,000 tokens a "
-                                             r"rank \(its step traced on fake tensors\), 1 rank\(s\) on GPU 0, "
+    with pytest.raises(launch.Mistake, match=r"^this run would need [\d.]+ GiB per rank, 1,000,000 tokens on each "
+                                             r"\(its step traced on fake tensors\), 1 rank\(s\) on GPU 0, "
                                              r"against 1.0 GiB free there; --plan 1x1 finds the longest sequence "
                                              r"that fits$"):
         memory.check(args, train.build)

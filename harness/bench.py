@@ -496,7 +496,7 @@ def plot_attention(args, measured):
         weak.plot(sizes, [mib(sum(measured[P, args.weak_seq_len * P][1][key(P)][:2])) for P in sizes], "o-",
                   label=f"{label}, measured")
         weak.plot(sizes, [mib(_attention_bytes(key(P), P, args.weak_seq_len * P, args)) for P in sizes], "k:")
-    weak.set(title=f"weak scaling, {args.weak_seq_len:,} tokens a rank: bytes each rank sends\n(forward + backward; "
+    weak.set(title=f"weak scaling, {args.weak_seq_len:,} tokens per rank: bytes each rank sends\n(forward + backward; "
                    f"dotted: the formula)", xlabel="P (ranks)", ylabel="MiB", xticks=sizes)
     weak.legend()
     names = ["(b) ulysses_attention", "(c) 3 all-to-alls"]
@@ -695,8 +695,8 @@ def alst_flags(gpus, gib, S):
 def plans(args):
     gib, settings = args.gib, " ".join(alst_flags(1, args.gib, 1)[6:-4])
     print(f"Llama-3-8B on GPUs of {gib} GiB with ALST's settings (train.py --model llama3-8b {settings}, the tiles as "
-          f"S/4,096 and S/2,048 tokens a rank at ALST's S): the longest sequence by train.py --plan's search on traced "
-          f"steps (within 1%), and at ALST's length the traced GPU and CPU memory per GPU, GiB", flush=True)
+          f"S/4,096 and S/2,048 tokens per rank at ALST's S): the longest sequence by train.py --plan's search on "
+          f"traced steps (within 1%), and at ALST's length the traced GPU and CPU memory per GPU, GiB", flush=True)
     rows = []
     for gpus in args.gpus:
         start = time.perf_counter()

@@ -299,7 +299,7 @@ def check(args, build):
     gpu, sharing = local_gpu(args)
     free = torch.cuda.mem_get_info(gpu)[0]
     if sharing * traced["device"] > free:
-        fail(f"this run would need {gib(traced['device'])} per rank for {local_tokens(args):,} tokens a rank (its step "
+        fail(f"this run would need {gib(traced['device'])} per rank, {local_tokens(args):,} tokens on each (its step "
              f"traced on fake tensors), {sharing} rank(s) on GPU {gpu}, against {gib(free)} free there; --plan "
              f"{world_size}x{math.floor(free / sharing / 2**30 * 10) / 10:g} finds the longest sequence that fits",
              alike=False)
