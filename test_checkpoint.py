@@ -56,6 +56,20 @@ def test_resume_on_any_layout(tmp_path):
         assert_all_close(model(name), model("dp2xsp2"), rtol=0, atol=1e-5, where=name)
 
 
+def test_a_gpu_runs_checkpoint_resumes_without_its_gpu(tmp_path, one_rank, monkeypatch):
+    """A GPU run's shards name the device each tensor was on (here every storage is written as on cuda:0, as a GPU
+    run's are). Resuming on a machine without that GPU gives the steps of the run that never stopped."""
+    out_dir = tmp_path / "run"
+    with monkeypatch.context() as written_on_a_gpu:
+        written_on_a_gpu.setattr(torch.serialization, "location_tag", lambda storage: "cuda:0")
+        straight = train.main(SHORT_RUN + ["--out-dir", str(out_dir)])  # saves after steps 3 and 6
+    final = checkpoint.weights(out_dir / "step_000006")
+    shutil.rmtree(out_dir / "step_000006")
+    resumed = train.main(SHORT_RUN + ["--out-dir", str(out_dir), "--resume"])  # from step 3
+    assert [r["loss"] for r in resumed] == [r["loss"] for r in straight[3:]]
+    assert_all_close(checkpoint.weights(out_dir / "step_000006"), final, rtol=0, atol=0)
+
+
 def _flip(data, n=64):
     """data with n bytes in its middle inverted."""
     middle = len(data) // 2

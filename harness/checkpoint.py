@@ -156,10 +156,11 @@ def newest(out_dir):
 
 
 def shards(path):
-    """The pieces every rank of the layout that wrote the checkpoint held, read lazily (mmap)."""
+    """The pieces every rank of the layout that wrote the checkpoint held, read lazily (mmap) into host memory,
+    whichever device wrote them: a GPU run's checkpoint loads where that GPU is missing, and no rank fills it."""
     with open(os.path.join(path, MANIFEST)) as f:
         names = [name for name in json.load(f)["files"] if name.startswith("shard_")]
-    return [torch.load(os.path.join(path, name), mmap=True, weights_only=True) for name in names]
+    return [torch.load(os.path.join(path, name), map_location="cpu", mmap=True, weights_only=True) for name in names]
 
 
 def weights(path):
@@ -354,7 +355,7 @@ def find(args, world_size, control, lr_at, data_sha256):
     for damaged in paths[:paths.index(path)] if rank == 0 else []:  # out of the way of the steps that redo them
         shutil.rmtree(damaged + ".damaged", ignore_errors=True)
         os.replace(damaged, damaged + ".damaged")
-    trainer = torch.load(os.path.join(path, "trainer.pt"), weights_only=True)
+    trainer = torch.load(os.path.join(path, "trainer.pt"), map_location="cpu", weights_only=True)
     run = run_flags(args, world_size, data_sha256)
     run_id = os.environ.get("TORCHELASTIC_RUN_ID")  # "none" unless torchrun has --rdzv-id (--standalone makes one)
     if not args.resume and (trainer["run"] != run_id or run_id in (None, "none")):  # another run's, or unknown
