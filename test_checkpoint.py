@@ -6,6 +6,7 @@ save, a rank that hangs while saving and a rank that is killed each end as they 
 """
 
 import argparse
+import errno
 import json
 import os
 import re
@@ -100,6 +101,25 @@ def test_a_damaged_checkpoint_falls_back_to_the_one_before(tmp_path, one_rank, c
     assert [r["loss"] for r in resumed] == [r["loss"] for r in straight[3:]]
     assert (out_dir / "step_000006.damaged" / name).read_bytes() == damaged  # set aside, not deleted
     assert checkpoint.verify(out_dir / "step_000006", 0, 1) is None  # written anew in its place
+
+
+def test_a_checkpoint_the_disk_cannot_read_falls_back_to_the_one_before(tmp_path, one_rank, capsys, monkeypatch):
+    """A read error while verifying (here EIO, hashing step 6's shard) fails verification as damage does: one line,
+    and the run resumes from the checkpoint before it."""
+    out_dir = tmp_path / "run"
+    straight = train.main(SHORT_RUN + ["--out-dir", str(out_dir)])
+    hashed = checkpoint.sha256
+
+    def disk_error(file):
+        if os.path.dirname(file) == str(out_dir / "step_000006"):
+            raise OSError(errno.EIO, "Input/output error", file)
+        return hashed(file)
+    monkeypatch.setattr(checkpoint, "sha256", disk_error)
+    capsys.readouterr()
+    resumed = train.main(SHORT_RUN + ["--out-dir", str(out_dir), "--resume"])
+    assert re.search(r"^note: checkpoint \S+step_000006 fails verification \(shard_00000-of-00001.pt is unreadable "
+                     r"\(Input/output error\)\); trying the one before it$", capsys.readouterr().out, re.M)
+    assert [r["loss"] for r in resumed] == [r["loss"] for r in straight[3:]]
 
 
 def test_checkpoints_that_cannot_be_used_are_refused(tmp_path, one_rank, monkeypatch):

@@ -388,12 +388,13 @@ def verify(path, rank, world_size):
         return f"{MANIFEST} is unreadable"
     for name, expected in files[rank::world_size]:
         file = os.path.join(path, name)
-        if not os.path.exists(file):
-            return f"{name} is missing"
-        if os.path.getsize(file) != expected["bytes"]:
-            return f"{name} has {os.path.getsize(file):,} bytes, not {expected['bytes']:,}"
-        if sha256(file) != expected["sha256"]:
-            return f"{name} does not match its SHA-256 (changed on the disk)"
+        try:
+            if os.path.getsize(file) != expected["bytes"]:
+                return f"{name} has {os.path.getsize(file):,} bytes, not {expected['bytes']:,}"
+            if sha256(file) != expected["sha256"]:
+                return f"{name} does not match its SHA-256 (changed on the disk)"
+        except OSError as e:  # a disk error reads as damage: the next older checkpoint is tried
+            return f"{name} is missing" if isinstance(e, FileNotFoundError) else f"{name} is unreadable ({e.strerror})"
     return None
 
 
