@@ -1,7 +1,8 @@
 """
 Tests of gpt.py, the whole model, against one device: loss and every gradient under SP 2, 3 and 4 with padding,
 GQA and uneven heads; packed documents under SP, no document seeing another; a packed batch against each
-document alone; position ids of the wrong shape named; tiles and recomputation against the plain model.
+document alone; position ids of the wrong shape named; RoPE's angles at long positions; tiles and recomputation
+against the plain model.
 """
 
 import re
@@ -16,7 +17,7 @@ import ring
 import ulysses
 from conftest import (DOC_LENGTHS, assert_all_close, grads, packed_batch, run_ranks, summed, usp_groups, whole_sequence,
                       zero_batch)
-from gpt import GPT, GPTConfig
+from gpt import GPT, GPTConfig, rope_cos_sin
 
 
 GPT_CASES = [(16, 4, 4), (13, 4, 2), (13, 4, 1)]  # (seq_len, n_head, n_kv_head); 13 is not divisible by 2, 3, 4
@@ -179,6 +180,17 @@ def _assert_the_ways_agree(cfg, ways, labels_ignored=False):
         results.append((loss_sum.detach(), correct, grads(model)))
     for result in results[1:]:
         assert_all_close(result, results[0], rtol=1e-5, atol=1e-6)
+
+
+def test_rope_turns_by_the_exact_angle_at_long_positions():
+    """RoPE's cos and sin at positions up to 2^25 (Llama-3's base) equal float64 math to float32 rounding, so positions
+    2^24 and 2^24 + 1 stay apart: angles formed in float32 would merge them and be off by up to a radian."""
+    positions = torch.tensor([[5, 1_048_577, 2**24, 2**24 + 1, 2**25 - 1]])  # (1, 5)
+    cos, sin = rope_cos_sin(positions, 128, 500000.0)  # (1, 5, 1, 128) each
+    angles = positions.double()[..., None] * 500000.0 ** -(torch.arange(0, 128, 2).double() / 128)  # (1, 5, 64)
+    for got, want in ((cos, angles.cos()), (sin, angles.sin())):
+        torch.testing.assert_close(got[:, :, 0], torch.cat([want, want], -1).float(), rtol=0, atol=1e-7)
+    assert not torch.equal(cos[0, 2], cos[0, 3])
 
 
 def test_gpt_tiled_and_recomputed_equals_plain():
