@@ -66,15 +66,17 @@ def traced(argv, world_size, cuda=False, **changed):
 
 
 # one configuration per flag, on 2 ranks (ZeRO-3 the default there), and Ulysses 2 x ring 2 on 4 (packed in zigzag
-# with seed 1, rank 0's shard lies in its row's first document: its position ids equal its token indices)
+# with seed 1, rank 0's shard lies in its row's first document: its position ids equal its token indices); with seed
+# 2, Ulysses 4's rank 0 has the same position ids in both micro-steps, and its peers do not
 FLAGS = {2: [[], ["--zero", "0"], ["--zero", "fsdp2"], ["--tiles", "4"], ["--loss-tiles", "4"],
              ["--recompute", "--offload"], ["--offload-optimizer"], ["--dtype", "bfloat16"],
              ["--n-kv-head", "2", "--mlp", "swiglu"], ["--window", "64"], ["--sinks"], ["--pack", "--window", "64"],
              ["--data", os.path.join(HERE, "README.md"), "--pack", "--window", "64"], ["--pack", "--ring", "2"],
-             ["--ring", "2"], ["--layer-pattern", "da"],
+             ["--ring", "2"], ["--pack", "--ring", "2", "--window", "64"], ["--layer-pattern", "da"],
              ["--layer-pattern", "da", "--gdn-parallel", "context", "--pack"]],
          4: [["--sp", "4", "--ring", "2", "--seq-len", "4096"],
-             ["--sp", "4", "--ring", "2", "--seq-len", "4096", "--pack", "--balance", "zigzag", "--seed", "1"]]}
+             ["--sp", "4", "--ring", "2", "--seq-len", "4096", "--pack", "--balance", "zigzag", "--seed", "1"],
+             ["--sp", "4", "--pack", "--window", "64", "--grad-accum", "2", "--seed", "2"]]}
 
 
 @pytest.mark.parametrize("world_size", sorted(FLAGS))
@@ -275,13 +277,15 @@ def test_offloads_move_memory_from_the_gpu_to_the_host():
 
 def test_the_trace_is_of_the_busiest_rank():
     """6 heads and 2 kv heads on 4 ranks: rank 1 holds query heads 2 and 3, which use both kv heads, so its kernel
-    gets the most heads. memory.busiest_rank picks it, and its traced peak is the largest of the 4 ranks'."""
+    gets the most heads. memory.traced_ranks picks it alone, and its traced peak is the largest of the 4 ranks'. Under
+    a ring with a window the ring ranks' work differs: both are traced, and the plan's peak is the larger."""
     args = launch.parse_args(["--n-head", "6", "--n-kv-head", "2", "--n-embd", "192", "--seq-len", "8192",
                               "--batch-size", "1"])
     launch.check_args(args, 4)
-    busiest = memory.busiest_rank(args)
-    peaks = []
-    for rank in range(4):
-        with patch.object(memory, "busiest_rank", lambda args: rank):
-            peaks.append(memory.trace(args, 4, train.build, cuda=False)["device"])
-    assert busiest == 1 and peaks[1] == max(peaks) > min(peaks), peaks
+    peaks = [memory.trace(args, 4, train.build, cuda=False, rank=rank)["device"] for rank in range(4)]
+    assert memory.traced_ranks(args, 4) == [1] and peaks[1] == max(peaks) > min(peaks), peaks
+    windowed = ["--seq-len", "2048", "--ring", "2", "--window", "128", "--batch-size", "1", "--steps", "2"]
+    args = launch.parse_args(windowed)
+    launch.check_args(args, 2)
+    peaks = [memory.trace(args, 2, train.build, cuda=False, rank=rank)["device"] for rank in range(2)]
+    assert memory.traced_ranks(args, 2) == [0, 1] and traced(windowed, 2)["device"] == peaks[1] > peaks[0], peaks

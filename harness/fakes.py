@@ -2,7 +2,7 @@
 The world a traced step runs in (harness/memory.py's trace): one CPU process standing for one rank of N GPUs.
 
     FakeTensors          torch's fake tensors (shapes, no storage), the token data real, so that positions and
-                         token indices hold values (and keep their kind, which tells the two apart)
+                         token indices hold values (and keep their origin, which tells equal ones apart)
     peers                what an all-gather of token data brings, which a fake process group cannot move; a document
                          start that travels among fake activations, as none
     works_hold_tensors   point-to-point works that hold their tensors, as gloo's do
@@ -29,14 +29,14 @@ import ulysses
 from tiled import at_least_float32
 
 aten = torch.ops.aten
-kinds = WeakIdKeyDictionary()  # token data -> "positions" or "index", handed on to copies, views and joins of it
+origins = WeakIdKeyDictionary()  # token data -> the quantity of `peers` it was cut from or gathered into
 
 
 class FakeTensors(FakeTensorMode):
     """torch's FakeTensorMode with the token data real: an op none of whose inputs is fake runs for real, and so does
     a factory of integers (arange, randint; never a mask, which may be S x S), never for the meta device (the host).
     Positions, token indices and what the ring and the context chain compute from them hold values; what a real op
-    makes of one kind of token data is of that kind. A number read from a fake tensor (a loss) is 1."""
+    makes of one quantity of token data keeps its origin (`origins`). A number read from a fake tensor (a loss) is 1."""
 
     def __init__(self):
         super().__init__(allow_non_fake_inputs=True)
@@ -48,9 +48,9 @@ class FakeTensors(FakeTensorMode):
                     dtype in (torch.int32, torch.int64))
         if (tensors or integers) and not any(isinstance(t, FakeTensor) for t in tensors) and \
                 torch.device(kwargs.get("device") or "cpu").type != "meta":
-            out, kind = func(*args, **kwargs), {kinds.get(t) for t in tensors} - {None}
-            if len(kind) == 1:  # made of one kind of token data: of that kind
-                kinds.update((t, *kind) for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor))
+            out, found = func(*args, **kwargs), [origins[t] for t in tensors if t in origins]
+            if found and all(origin is found[0] for origin in found):  # made of one quantity: its origin too
+                origins.update((t, found[0]) for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor))
             return out
         try:
             return super().__torch_dispatch__(func, types, args, kwargs)
@@ -63,9 +63,10 @@ def peers(mesh):
     """Packed documents gather their SP group's positions (and a ring its token layout), which a fake process group
     cannot move. The traced rank draws the SP group's sequences, so it cuts every SP rank's shards as that rank would
     (its rank in each group stood in); an all-gather of integers equal to one of its own quantities returns that
-    quantity of each peer, and what it makes (joined in token order) is a quantity of every rank too. Positions and
-    token indices can be equal on this rank (a shard inside its row's first document), so each keeps its kind
-    through the copies, views and joins made of it (FakeTensors), and the kind picks the quantity."""
+    quantity of each peer, and what it makes (joined in token order) is a quantity of every rank too. Two quantities
+    can be equal on this rank and not on its peers (positions and token indices of a shard inside its row's first
+    document, or two micro-batches' positions), so among equal ones the all-gather takes the one its input was made
+    from (`origins`)."""
     (U, u), (R, r) = (ulysses.size_and_rank(mesh.get_group(name)) for name in ("ulysses", "ring"))
     groups = {mesh.get_group("ulysses"): lambda j, a, b: (a, j), mesh.get_group("ring"): lambda j, a, b: (j, b)}
     known, get_rank, all_gather = [], dist.get_rank, dist.all_gather  # known: [{(ring rank, ulysses rank): tensor}]
@@ -79,26 +80,25 @@ def peers(mesh):
                     stand_in = {mesh.get_group("ring"): a, mesh.get_group("ulysses"): b}
                     with patch.object(dist, "get_rank", lambda group=None: stand_in.get(group, get_rank(group))):
                         every[a, b] = shard(*args)
-                known.extend((kind, {key: cut[i].clone() for key, cut in every.items()})
-                             for i, kind in ((2, "positions"), (3, "index")))
+                cuts = [{key: cut[i].clone() for key, cut in every.items()} for i in (2, 3)]  # positions, index
+                known.extend(cuts)
             mine = shard(*args)
-            kinds[mine[2]], kinds[mine[3]] = "positions", "index"  # equal where a document starts a row: told apart
+            origins[mine[2]], origins[mine[3]] = cuts
             return mine
         return shards
 
     def gathered(outputs, x, group=None, async_op=False):
-        kind, mine = kinds.get(x), None
-        if not (isinstance(x, FakeTensor) or x.is_floating_point() or group not in groups):
-            mine = next((q for k, q in known if None in (k, kind) or k == kind  # a kind, where one is known
-                         if q[r, u].shape == x.shape and torch.equal(q[r, u], x)), None)
-        if mine is None:  # not token data: shapes, alike on every rank
+        equal = [] if isinstance(x, FakeTensor) or x.is_floating_point() or group not in groups else [
+            q for q in known if q[r, u].shape == x.shape and torch.equal(q[r, u], x)]
+        if not equal:  # not token data: shapes, alike on every rank
             return all_gather(outputs, x, group=group, async_op=async_op)
+        mine = next((q for q in equal if q is origins.get(x)), equal[0])  # where x came from, if known
+        with _disable_current_modes():
+            known.append({(a, b): torch.cat([mine[groups[group](j, a, b)] for j in range(len(outputs))], -1)
+                          for a, b in ranks})
         for j, out in enumerate(outputs):
             out.copy_(mine[groups[group](j, r, u)])
-            kinds[out] = kind
-        with _disable_current_modes():
-            known.append((kind, {(a, b): torch.cat([mine[groups[group](j, a, b)] for j in range(len(outputs))], -1)
-                                 for a, b in ranks}))
+            origins[out] = known[-1]
     conv = deltanet.causal_conv1d  # the context way's left contexts bring their document starts with activations
 
     def conv_without_starts(x, weight, starts=None):  # fake starts: one document a row; its pieces, as many bytes

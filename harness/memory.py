@@ -152,34 +152,41 @@ class StorageBytes(TorchDispatchMode):
 
 
 def planned(args, world_size, build, cuda=True, **changed):
-    """This run's peak per rank (some flags changed), traced: {"device", "host" (bytes), "rank", "seconds", "how"}.
-    Past three periods of --layer-pattern it traces r + 2 and r + 3 periods (r: the layers of a period begun) and
-    extends each segment's peak (`in_segments`) along its line to the run's depth: test_memory.py holds that equal to
-    the full depth's trace, to the byte. --compile is traced eager."""
+    """This run's peak per rank (some flags changed), traced: {"device", "host" (bytes), "rank", "ranks", "seconds",
+    "how"}: the largest of the ranks `traced_ranks` names, "rank" the one with the largest device peak. Past three
+    periods of --layer-pattern it traces r + 2 and r + 3 periods (r: the layers of a period begun) and extends each
+    segment's peak (`in_segments`) along its line to the run's depth: test_memory.py holds that equal to the full
+    depth's trace, to the byte. --compile is traced eager."""
     args = argparse.Namespace(**{**vars(args), **changed, "compile": False})
     start, period = time.perf_counter(), len(args.layer_pattern)
-    rest, periods = args.n_layer % period, args.n_layer // period
-    if periods <= 3:
-        peaks, how = trace(args, world_size, build, cuda), f"{args.n_layer} layers"
-    else:
-        two, three = (trace(argparse.Namespace(**{**vars(args), "n_layer": rest + k * period}), world_size, build,
-                            cuda)["segments"] for k in (2, 3))
-        peaks = {key: max(two[s][key] + (periods - 2) * (three[s][key] - two[s][key]) for s in two.keys() & three.keys()
-                          if "middle" not in s) for key in ("device", "host")}  # a middle block's: between theirs
-        how = f"{rest + 2 * period} and {rest + 3 * period} layers, extended to {args.n_layer}"
-    return {**peaks, "rank": busiest_rank(args), "seconds": time.perf_counter() - start, "how": how}
+    rest, periods, peaks = args.n_layer % period, args.n_layer // period, []
+    for rank in traced_ranks(args, world_size):
+        if periods <= 3:
+            peak, how = trace(args, world_size, build, cuda, rank), f"{args.n_layer} layers"
+        else:
+            two, three = (trace(argparse.Namespace(**{**vars(args), "n_layer": rest + k * period}), world_size, build,
+                                cuda, rank)["segments"] for k in (2, 3))
+            peak = {key: max(two[s][key] + (periods - 2) * (three[s][key] - two[s][key])
+                             for s in two.keys() & three.keys() if "middle" not in s)  # a middle block's: between
+                    for key in ("device", "host")}
+            how = f"{rest + 2 * period} and {rest + 3 * period} layers, extended to {args.n_layer}"
+        peaks.append({"device": peak["device"], "host": peak["host"], "rank": rank})
+    return {**max(peaks, key=lambda peak: peak["device"]), "host": max(peak["host"] for peak in peaks),
+            "ranks": len(peaks), "seconds": time.perf_counter() - start, "how": how}
 
 
-def trace(args, world_size, build, cuda):
-    """One training step's peak on one rank of `world_size`: {"device", "host" (bytes), "segments"}. build: train.py's
-    (model, sharding, optimizer). The step is a run's measured one, its last, which finds AdamW's state made; the fake
-    process group moves nothing. cuda: as on a GPU (`as_on_cuda`), host memory the meta device, counted apart."""
+def trace(args, world_size, build, cuda, rank=None):
+    """One training step's peak on one rank of `world_size` (None: the first `traced_ranks` names): {"device", "host"
+    (bytes), "segments"}. build: train.py's (model, sharding, optimizer). The step is a run's measured one, its last,
+    which finds AdamW's state made; the fake process group moves nothing. cuda: as on a GPU (`as_on_cuda`), host
+    memory the meta device, counted apart."""
     from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
     try:  # --data's own documents, read as a run reads them (packed, their lengths set attention's memory)
         documents = data.read_documents(args.data, args.pack, args.seq_len) if args.data else None
     except ValueError as e:
         fail(f"--data {args.data}: {e}")
-    dist.init_process_group("fake", store=FakeStore(), rank=busiest_rank(args), world_size=world_size)
+    rank = traced_ranks(args, world_size)[0] if rank is None else rank
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
         mesh, host = device_mesh(args, world_size, "cpu"), torch.device("meta" if cuda else "cpu")
         with FakeTensors(), peers(mesh) if args.pack else nullcontext(), works_hold_tensors(), \
@@ -223,15 +230,18 @@ def in_segments(counter, model, optimizer, period):
     return mark, peaks
 
 
-def busiest_rank(args):
-    """The rank traced: the Ulysses rank whose attention kernel gets the most heads (query heads and the kv heads it
-    expands to), in the first ring and data group. Every rank holds as many tokens, and zigzag evens the ring."""
-    U = args.sp // args.ring
-    if "a" not in args.layer_pattern:
-        return 0
-    query = ulysses.head_layout(args.n_head, args.n_kv_head, U)[0]
-    heads = [len(query[r]) + 2 * len(ulysses.kernel_kv_heads(args.n_head, args.n_kv_head, U, r)) for r in range(U)]
-    return heads.index(max(heads))
+def traced_ranks(args, world_size):
+    """The ranks traced: the Ulysses rank whose attention kernel gets the most heads (query heads and the kv heads it
+    expands to), in the first ring and data group, and in every other one whose work can differ. Every rank holds as
+    many tokens, and zigzag evens a causal ring; but a window cuts each ring rank's blocks by their distance, and
+    packed documents differ by ring rank (its share of them) and by data group (its own samples)."""
+    U, R, busiest = args.sp // args.ring, args.ring, 0
+    if "a" in args.layer_pattern:
+        query = ulysses.head_layout(args.n_head, args.n_kv_head, U)[0]
+        heads = [len(query[r]) + 2 * len(ulysses.kernel_kv_heads(args.n_head, args.n_kv_head, U, r)) for r in range(U)]
+        busiest = heads.index(max(heads))
+    rings, data_groups = range(R if args.window or args.pack else 1), range(world_size // args.sp if args.pack else 1)
+    return [(d * R + r) * U + busiest for d in data_groups for r in rings]  # the mesh: dp x ring x ulysses
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -253,10 +263,11 @@ def plan(args, build):
     here = planned(args, world_size, build)
     fits, usp = here["device"] <= memory, f" (ulysses {args.sp // args.ring} x ring {args.ring})" * (args.ring > 1)
     eager = "; eager, as --compile is not traced" * args.compile
+    busiest = f", the busiest of the {here['ranks']} whose work differs" * (here["ranks"] > 1)
     print(f"plan: {world_size} GPU{'s' * (world_size > 1)}, sp {args.sp}{usp}, seq {args.seq_len:,}: "
           f"{'fits' if fits else 'does NOT fit'}: {gib(here['device'])} of {gib(memory)} per GPU for "
           f"{local_tokens(args):,} tokens per rank, and {gib(here['host'])} of CPU memory per GPU (the step traced on "
-          f"fake tensors, rank {here['rank']}, {here['how']}, {here['seconds']:.0f} s{eager})", flush=True)
+          f"fake tensors, rank {here['rank']}{busiest}, {here['how']}, {here['seconds']:.0f} s{eager})", flush=True)
     start, peaks = time.perf_counter(), {args.seq_len: here["device"]}
     n = longest(lambda S: peaks.get(S) or planned(args, world_size, build, seq_len=S)["device"], args.seq_len,
                 memory, TOLERANCE, args.sp)
