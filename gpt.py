@@ -74,8 +74,8 @@ PRESETS = {"llama3-8b": dict(n_layer=32, n_embd=4096, n_head=32, n_kv_head=8, vo
 def rope_cos_sin(position_ids, head_dim, base):  # position ids [B, S] -> cos, sin [B, S, 1, head_dim], float32
     inv_freq = base ** -(torch.arange(0, head_dim, 2, device=position_ids.device, dtype=torch.float64) / head_dim)
     angles = position_ids.double()[..., None] * inv_freq  # (B, S, D/2); float32 would merge positions past 2^24
-    angles = torch.cat([angles, angles], dim=-1)[:, :, None, :]  # (B, S, 1, D)
-    return angles.cos().float(), angles.sin().float()
+    halves = angles.cos().float(), angles.sin().float()  # (B, S, D/2) each
+    return tuple(torch.cat([t, t], dim=-1)[:, :, None, :] for t in halves)  # (B, S, 1, D) each
 
 
 def apply_rope(x, cos, sin):  # x [B, S, H, D]: each pair (x_i, x_{i+D/2}) turned by position times the pair's frequency
