@@ -65,7 +65,7 @@ def ring_attention(q, k, v, group=None, layout=None, window=None, causal=True, s
     if window and (not causal or window < 0):
         raise ValueError(f"window={window}: a sliding window looks back from each query: 1 or more tokens, causal=True")
     if not torch.compiler.is_compiling():
-        check_same_inputs(q, k, v, sinks, group)  # one error on every rank; other arguments must match, unchecked
+        check_same_inputs(q, k, v, sinks, position_ids, group)  # one error on every rank; the rest must match
     if R > 1 and layout == "zigzag" and q.shape[1] % 2:
         raise ValueError(f"{q.shape[1]} tokens on this rank: zigzag's two equal chunks need an even number")
     indices = (check_layout(layout, group) if given else  # (R, B, L): each ring rank's token indices, or (R, 1, L)
@@ -146,8 +146,7 @@ def pass_on(x, group, phase):
     received = torch.empty_like(x)
     works = dist.batch_isend_irecv([dist.P2POp(dist.isend, x, group=group, group_peer=(r + 1) % R),
                                     dist.P2POp(dist.irecv, received, group=group, group_peer=(r - 1) % R)])
-    ring_stats[phase]["calls"] += 1  # phase: "forward" or "backward"
-    ring_stats[phase]["bytes"] += x.nbytes
+    ring_stats[phase].update(calls=ring_stats[phase]["calls"] + 1, bytes=ring_stats[phase]["bytes"] + x.nbytes)
     return received, works
 
 
@@ -364,11 +363,8 @@ def shard_for_ring(input_ids, labels, position_ids, ulysses_group, ring_group, l
     padded = [F.pad(input_ids, (0, pad)), F.pad(labels, (0, pad), value=-100),
               torch.cat([position_ids, counting_on], 1)]  # (B, S_pad) each
     B, S_pad = padded[0].shape
-    if R > 1 and layout is not None:
-        index = layout(padded[2], R)[:, r]  # (B, R, S_pad/R) -> (B, S_pad/R); check_layout checks them later
-    else:
-        index = token_index("zigzag" if R > 1 else "contiguous", r, R, S_pad // R).expand(B, -1)  # (B, S_pad/R)
-    index = index.to(input_ids.device)
+    index = (layout(padded[2], R)[:, r] if R > 1 and layout is not None else  # (B, R, S_pad/R) -> (B, S_pad/R)
+             token_index("zigzag" if R > 1 else "contiguous", r, R, S_pad // R).expand(B, -1)).to(input_ids.device)
     return tuple(t.chunk(U, dim=1)[u] for t in [t.gather(1, index) for t in padded] + [index])  # (B, S_pad/P) each
 
 
@@ -397,23 +393,27 @@ def ring_bytes(R, kv_bytes, dkv_bytes):
     return (R - 1) * kv_bytes, (R - 1) * kv_bytes + (R * dkv_bytes if R > 1 else 0)
 
 
-def check_same_inputs(q, k, v, sinks, group):
-    """One ValueError on every rank unless q, k, v fit together (sinks, if given, [Hq]) and match on every rank of the
-    ring: the sends assume it; a mismatch would abort gloo or leave ranks waiting for one that stopped alone."""
+def check_same_inputs(q, k, v, sinks, position_ids, group):
+    """One ValueError on every rank unless q, k, v fit together (sinks [Hq], position_ids [B, L], if given) and match
+    on every rank of the ring: the sends assume it; a mismatch would abort gloo or leave ranks waiting for one that
+    stopped alone (and position_ids of fewer rows would leave rows of the output at zero)."""
     dtypes = [torch.float64, torch.float32, torch.bfloat16, torch.float16]
     fit = (q.dim() == k.dim() == 4 and k.shape == v.shape and q.shape[:2] == k.shape[:2] and q.shape[3] == k.shape[3]
            and k.shape[2] > 0 and q.shape[2] % k.shape[2] == 0 and q.dtype == k.dtype == v.dtype and q.dtype in dtypes
-           and (sinks is None or sinks.shape == q.shape[2:3]))
+           and (sinks is None or sinks.shape == q.shape[2:3])
+           and (position_ids is None or position_ids.shape == q.shape[:2]))
     mine = [*q.shape, k.shape[2], dtypes.index(q.dtype)] if fit else [-1] * 6  # B, L, Hq, D, Hkv, dtype
     every = gather_ring(torch.tensor([mine], device=q.device if group else "cpu"), group)[:, 0].tolist()  # (R, 6)
     if every[0][0] < 0 or any(row != every[0] for row in every):
         shown = "; ".join(f"{rank}: {'unfit' if row[0] < 0 else [*row[:5], dtypes[row[5]]]}"
                           for rank, row in enumerate(every))
-        named = zip(("q", "k", "v", "sinks"), (q, k, v) if sinks is None else (q, k, v, sinks))
+        named = [(n, t) for n, t in zip(("q", "k", "v", "sinks", "position_ids"), (q, k, v, sinks, position_ids))
+                 if t is not None]
         this = "" if fit else f" (this rank: {', '.join(f'{n} {tuple(t.shape)} {t.dtype}' for n, t in named)})"
         raise ValueError(f"q, k, v differ between the ranks of the ring or do not fit together ([B, L, Hq, D, Hkv, "
                          f"dtype] by rank: {shown}){this}; want q [B, L, Hq, D] and k, v [B, L, Hkv, D] of one "
-                         f"dtype, Hq a multiple of Hkv, sinks [Hq], the same on every rank (shard_for_ring cuts so)")
+                         f"dtype, Hq a multiple of Hkv, sinks [Hq], position_ids [B, L] (under USP, gathered over "
+                         f"the Ulysses group), the same on every rank (shard_for_ring cuts so)")
 
 
 def gather_ring(x, group):

@@ -325,6 +325,12 @@ def _options_rank(rank, R):
         ring.ring_attention(q, kv, kv, dist.group.WORLD, "zigzag", sinks=torch.zeros(3 if rank == 1 else 4))
     except ValueError as e:
         errors.append(str(e))
+    try:  # rank 1: position ids of one row for two rows of queries (the other row's output would stay zero)
+        two = torch.zeros(2, 8, 4, 8)
+        ring.ring_attention(two, two[:, :, :2], two[:, :, :2], dist.group.WORLD, "zigzag",
+                            position_ids=torch.zeros(1 if rank == 1 else 2, 8, dtype=torch.long))
+    except ValueError as e:
+        errors.append(str(e))
     for window, causal in ((-1, True), (4, False)):
         try:  # a window that looks forward, or one without causal attention
             ring.ring_attention(q, kv, kv, dist.group.WORLD, "zigzag", window=window, causal=causal)
@@ -343,7 +349,8 @@ def test_ring_options_lse_and_mismatched_ranks():
     """causal=False, a softmax scale and the log-sum-exp as an output, on 3 ranks against one device in float64
     (1e-12), the fused kernel and the einsum tiles, each layout. Ranks that hold different token counts or dtypes
     get one error on every rank naming each rank's value, never a gloo abort, and so does a rank whose own k and v
-    do not fit its q (another head size, another dtype, three dimensions) or whose sinks do not fit its query heads;
+    do not fit its q (another head size, another dtype, three dimensions), whose sinks do not fit its query heads, or
+    whose position ids have fewer rows than its queries;
     a ring called without its layout is refused, and so are a window that looks forward, a window without causal
     attention, and token indices that fall on a rank or repeat a token."""
     R = 3
@@ -361,8 +368,9 @@ def test_ring_options_lse_and_mismatched_ranks():
             for full, part in zip(got, parts):
                 full[:, index] = part
         assert_all_close(got, want, 1e-12, 1e-12, where=f"case {i}")
-    want = ("; want q [B, L, Hq, D] and k, v [B, L, Hkv, D] of one dtype, Hq a multiple of Hkv, sinks [Hq], the same "
-            "on every rank (shard_for_ring cuts so)")
+    want = ("; want q [B, L, Hq, D] and k, v [B, L, Hkv, D] of one dtype, Hq a multiple of Hkv, sinks [Hq], "
+            "position_ids [B, L] (under USP, gathered over the Ulysses group), the same on every rank (shard_for_ring "
+            "cuts so)")
     by_rank = "q, k, v differ between the ranks of the ring or do not fit together ([B, L, Hq, D, Hkv, dtype] by rank: "
     fp32, fp64 = "torch.float32", "torch.float64"
     for rank, (_, errors) in enumerate(per_rank):
@@ -378,6 +386,9 @@ def test_ring_options_lse_and_mismatched_ranks():
             f"{by_rank}0: [1, 12, 4, 8, 4, {fp32}]; 1: [1, 12, 4, 8, 4, {fp64}]; 2: [1, 12, 4, 8, 4, {fp64}]){want}",
             "layout=None: a ring of 3 ranks takes how its tokens were sharded: 'zigzag', 'contiguous', or each token's "
             "index [B, L] with position_ids"] + unfit + [
+            f"{by_rank}0: [2, 8, 4, 8, 2, {fp32}]; 1: unfit; 2: [2, 8, 4, 8, 2, {fp32}])" + (
+                f" (this rank: q (2, 8, 4, 8) {fp32}, k (2, 8, 2, 8) {fp32}, v (2, 8, 2, 8) {fp32}, position_ids "
+                f"(1, 8) torch.int64)" if rank == 1 else "") + want] + [
             f"window={w}: a sliding window looks back from each query: 1 or more tokens, causal=True"
             for w in (-1, 4)] + ["layout: each ring rank must hold rising token indices, each token once"] * 2
 
