@@ -278,7 +278,8 @@ def test_offloads_move_memory_from_the_gpu_to_the_host():
 def test_the_trace_is_of_the_busiest_rank():
     """6 heads and 2 kv heads on 4 ranks: rank 1 holds query heads 2 and 3, which use both kv heads, so its kernel
     gets the most heads. memory.traced_ranks picks it alone, and its traced peak is the largest of the 4 ranks'. Under
-    a ring with a window the ring ranks' work differs: both are traced, and the plan's peak is the larger."""
+    a ring with a window the ring ranks' work differs: both are traced, and the plan's peak is the larger. Packed
+    documents differ by ring rank and data group too."""
     args = launch.parse_args(["--n-head", "6", "--n-kv-head", "2", "--n-embd", "192", "--seq-len", "8192",
                               "--batch-size", "1"])
     launch.check_args(args, 4)
@@ -289,3 +290,6 @@ def test_the_trace_is_of_the_busiest_rank():
     launch.check_args(args, 2)
     peaks = [memory.trace(args, 2, train.build, cuda=False, rank=rank)["device"] for rank in range(2)]
     assert memory.traced_ranks(args, 2) == [0, 1] and traced(windowed, 2)["device"] == peaks[1] > peaks[0], peaks
+    packed = launch.parse_args(["--sp", "4", "--ring", "2", "--pack"])  # on 8: dp 2 x ring 2 x ulysses 2
+    launch.check_args(packed, 8)
+    assert memory.traced_ranks(packed, 8) == [0, 2, 4, 6]  # Ulysses rank 0 of each ring rank of each data group

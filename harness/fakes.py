@@ -3,8 +3,8 @@ The world a traced step runs in (harness/memory.py's trace): one CPU process sta
 
     FakeTensors          torch's fake tensors (shapes, no storage), the token data real, so that positions and
                          token indices hold values (and keep their origin, which tells equal ones apart)
-    peers                what an all-gather of token data brings, which a fake process group cannot move; a document
-                         start that travels among fake activations, as none
+    peers                what an all-gather of token data brings, which a fake process group cannot move; document
+                         starts that arrive with fake activations (the context way's left contexts) taken as none
     works_hold_tensors   point-to-point works that hold their tensors, as gloo's do
     as_on_cuda           what only a GPU decides: SDPA's grouped heads, cuDNN's block kernel, the fused RMSNorm,
                          AdamW's foreach kernels
@@ -101,7 +101,7 @@ def peers(mesh):
             origins[out] = known[-1]
     conv = deltanet.causal_conv1d  # the context way's left contexts bring their document starts with activations
 
-    def conv_without_starts(x, weight, starts=None):  # fake starts: one document a row; its pieces, as many bytes
+    def conv_without_starts(x, weight, starts=None):  # fake starts: one document a row, pieces of the same bytes
         with _disable_current_modes():
             real = starts if starts is None or not isinstance(starts, FakeTensor) else torch.zeros(starts.shape).bool()
         return conv(x, weight, real)

@@ -231,17 +231,18 @@ def in_segments(counter, model, optimizer, period):
 
 
 def traced_ranks(args, world_size):
-    """The ranks traced: the Ulysses rank whose attention kernel gets the most heads (query heads and the kv heads it
-    expands to), in the first ring and data group, and in every other one whose work can differ. Every rank holds as
+    """The ranks traced: the busiest Ulysses rank (its attention kernel gets the most heads: query heads and the kv
+    heads it expands to) of the first Ulysses group, and of every other whose work can differ. Every rank holds as
     many tokens, and zigzag evens a causal ring; but a window cuts each ring rank's blocks by their distance, and
-    packed documents differ by ring rank (its share of them) and by data group (its own samples)."""
-    U, R, busiest = args.sp // args.ring, args.ring, 0
-    if "a" in args.layer_pattern:
+    packed documents differ by ring rank (its share of them) and by data group (its own samples, the traced step's)."""
+    U, R, busiest, attention = args.sp // args.ring, args.ring, 0, "a" in args.layer_pattern
+    if attention:
         query = ulysses.head_layout(args.n_head, args.n_kv_head, U)[0]
         heads = [len(query[r]) + 2 * len(ulysses.kernel_kv_heads(args.n_head, args.n_kv_head, U, r)) for r in range(U)]
         busiest = heads.index(max(heads))
-    rings, data_groups = range(R if args.window or args.pack else 1), range(world_size // args.sp if args.pack else 1)
-    return [(d * R + r) * U + busiest for d in data_groups for r in rings]  # the mesh: dp x ring x ulysses
+    mesh = torch.arange(world_size).view(-1, R, U)  # (dp, ring, ulysses): the ranks, as launch.device_mesh lays them
+    rings = range(R if args.pack or args.window and attention else 1)
+    return [mesh[d, r, busiest].item() for d in range(len(mesh) if args.pack else 1) for r in rings]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -263,7 +264,8 @@ def plan(args, build):
     here = planned(args, world_size, build)
     fits, usp = here["device"] <= memory, f" (ulysses {args.sp // args.ring} x ring {args.ring})" * (args.ring > 1)
     eager = "; eager, as --compile is not traced" * args.compile
-    busiest = f", the busiest of the {here['ranks']} whose work differs" * (here["ranks"] > 1)
+    several = here["ranks"] > 1  # ranks whose work differs: the GPU peak of the busiest, the most CPU memory of any
+    busiest = f", the busiest of {here['ranks']} whose work differs (CPU memory: the most of theirs)" * several
     print(f"plan: {world_size} GPU{'s' * (world_size > 1)}, sp {args.sp}{usp}, seq {args.seq_len:,}: "
           f"{'fits' if fits else 'does NOT fit'}: {gib(here['device'])} of {gib(memory)} per GPU for "
           f"{local_tokens(args):,} tokens per rank, and {gib(here['host'])} of CPU memory per GPU (the step traced on "
