@@ -156,8 +156,9 @@ def newest(out_dir):
 
 
 def shards(path):
-    """The pieces every rank of the layout that wrote the checkpoint held, read lazily (mmap) into host memory,
-    whichever device wrote them: a GPU run's checkpoint loads where that GPU is missing, and no rank fills it."""
+    """The pieces every rank of the layout that wrote the checkpoint held, read lazily (mmap) into host memory. A GPU
+    run's checkpoint then loads on a machine without that GPU; and no rank copies every shard onto the GPU that wrote
+    it."""
     with open(os.path.join(path, MANIFEST)) as f:
         names = [name for name in json.load(f)["files"] if name.startswith("shard_")]
     return [torch.load(os.path.join(path, name), map_location="cpu", mmap=True, weights_only=True) for name in names]
@@ -393,8 +394,10 @@ def verify(path, rank, world_size):
                 return f"{name} has {os.path.getsize(file):,} bytes, not {expected['bytes']:,}"
             if sha256(file) != expected["sha256"]:
                 return f"{name} does not match its SHA-256 (changed on the disk)"
+        except FileNotFoundError:
+            return f"{name} is missing"
         except OSError as e:  # a disk error reads as damage: the next older checkpoint is tried
-            return f"{name} is missing" if isinstance(e, FileNotFoundError) else f"{name} is unreadable ({e.strerror})"
+            return f"{name} is unreadable ({e.strerror or e})"
     return None
 
 
