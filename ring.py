@@ -146,7 +146,8 @@ def pass_on(x, group, phase):
     received = torch.empty_like(x)
     works = dist.batch_isend_irecv([dist.P2POp(dist.isend, x, group=group, group_peer=(r + 1) % R),
                                     dist.P2POp(dist.irecv, received, group=group, group_peer=(r - 1) % R)])
-    ring_stats[phase].update(calls=ring_stats[phase]["calls"] + 1, bytes=ring_stats[phase]["bytes"] + x.nbytes)
+    ring_stats[phase]["calls"] += 1  # phase: "forward" or "backward"
+    ring_stats[phase]["bytes"] += x.nbytes
     return received, works
 
 
@@ -364,7 +365,8 @@ def shard_for_ring(input_ids, labels, position_ids, ulysses_group, ring_group, l
               torch.cat([position_ids, counting_on], 1)]  # (B, S_pad) each
     B, S_pad = padded[0].shape
     index = (layout(padded[2], R)[:, r] if R > 1 and layout is not None else  # (B, R, S_pad/R) -> (B, S_pad/R)
-             token_index("zigzag" if R > 1 else "contiguous", r, R, S_pad // R).expand(B, -1)).to(input_ids.device)
+             token_index("zigzag" if R > 1 else "contiguous", r, R, S_pad // R).expand(B, -1))  # (B, S_pad/R)
+    index = index.to(input_ids.device)  # a layout's indices are checked where attention takes them (check_layout)
     return tuple(t.chunk(U, dim=1)[u] for t in [t.gather(1, index) for t in padded] + [index])  # (B, S_pad/P) each
 
 
@@ -395,8 +397,7 @@ def ring_bytes(R, kv_bytes, dkv_bytes):
 
 def check_same_inputs(q, k, v, sinks, position_ids, group):
     """One ValueError on every rank unless q, k, v fit together (sinks [Hq], position_ids [B, L], if given) and match
-    on every rank of the ring: the sends assume it; a mismatch would abort gloo or leave ranks waiting for one that
-    stopped alone (and position_ids of fewer rows would leave rows of the output at zero)."""
+    on every rank of the ring: the sends assume it; a mismatch would abort gloo or leave the other ranks waiting."""
     dtypes = [torch.float64, torch.float32, torch.bfloat16, torch.float16]
     fit = (q.dim() == k.dim() == 4 and k.shape == v.shape and q.shape[:2] == k.shape[:2] and q.shape[3] == k.shape[3]
            and k.shape[2] > 0 and q.shape[2] % k.shape[2] == 0 and q.dtype == k.dtype == v.dtype and q.dtype in dtypes
@@ -407,9 +408,8 @@ def check_same_inputs(q, k, v, sinks, position_ids, group):
     if every[0][0] < 0 or any(row != every[0] for row in every):
         shown = "; ".join(f"{rank}: {'unfit' if row[0] < 0 else [*row[:5], dtypes[row[5]]]}"
                           for rank, row in enumerate(every))
-        named = [(n, t) for n, t in zip(("q", "k", "v", "sinks", "position_ids"), (q, k, v, sinks, position_ids))
-                 if t is not None]
-        this = "" if fit else f" (this rank: {', '.join(f'{n} {tuple(t.shape)} {t.dtype}' for n, t in named)})"
+        this = "" if fit else " (this rank: " + ", ".join(f"{n} {tuple(t.shape)} {t.dtype}" for n, t in zip(
+            ("q", "k", "v", "sinks", "position_ids"), (q, k, v, sinks, position_ids)) if t is not None) + ")"
         raise ValueError(f"q, k, v differ between the ranks of the ring or do not fit together ([B, L, Hq, D, Hkv, "
                          f"dtype] by rank: {shown}){this}; want q [B, L, Hq, D] and k, v [B, L, Hkv, D] of one "
                          f"dtype, Hq a multiple of Hkv, sinks [Hq], position_ids [B, L] (under USP, gathered over "
