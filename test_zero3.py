@@ -4,6 +4,7 @@ parameter, gradient and AdamW state, gathered units are freed, and what the rank
 together, is the whole model and loads onto 2 ranks exactly.
 """
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -88,3 +89,11 @@ def test_zero3_shards_and_checkpoint_pieces():
     for key in ("param", "exp_avg", "exp_avg_sq"):
         assert_all_close(checkpoint.whole([pieces for pieces, _, _ in two], key), checkpoint.whole(stored, key),
                          rtol=0, atol=0)
+
+
+def test_zero3_refuses_a_frozen_parameter():
+    """A frozen parameter's shard would be a new leaf that requires grad, and AdamW would train it: one line instead."""
+    model = GPT(ZERO_CFG)
+    model.embed.weight.requires_grad_(False)
+    with pytest.raises(ValueError, match=r"these are frozen \(requires_grad=False\): \['embed.weight'\]"):
+        zero3.ZeRO3(model, model.units())

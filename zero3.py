@@ -160,7 +160,7 @@ class ShardedUnit:
 class ZeRO3:
     """Shard `model` over `group` (every rank of it, e.g. the flattened DP x SP group) unit by unit.
 
-    units: submodules in forward order that together hold every parameter exactly once (GPT.units()).
+    units: submodules in forward order that together hold every parameter exactly once (GPT.units()), none frozen.
     compute_dtype: dtype of the gathered parameters forward and backward run with (e.g. torch.bfloat16);
     the shards, their gradients (summed over ranks in float32) and hence the optimizer stay float32. offload_to: a
     device (CPU memory) that keeps the shards, their gradients and so the optimizer's state and step. Call the model
@@ -173,6 +173,10 @@ class ZeRO3:
         if unowned or len(owned) != len(distinct):
             raise ValueError(f"every parameter must belong to exactly one unit; in none: {unowned}, "
                              f"in more than one place: {len(owned) - len(distinct)} (tied weights are not supported)")
+        frozen = [name for name, p in model.named_parameters() if not p.requires_grad]
+        if frozen:  # its shard would be a new leaf that requires grad, and the optimizer would train it
+            raise ValueError(f"ZeRO3 trains every parameter, and these are frozen (requires_grad=False): {frozen}; "
+                             f"unfreeze them or leave ZeRO3 out")
         self.group = group
         prefixes = {module: name for name, module in model.named_modules()}
         self.units = [ShardedUnit(unit, prefixes[unit], group, compute_dtype, offload_to) for unit in units]
