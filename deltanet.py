@@ -235,6 +235,7 @@ class _GatherThen(torch.autograd.Function):
     and autograd would skip the backward of a gather whose result is unused, leaving the other ranks waiting."""
 
     @staticmethod
+    @torch.compiler.disable  # torch.compile runs it eagerly: Dynamo traces neither the gathers nor their bytes
     def forward(ctx, x, context, fn):
         every = x.contiguous()
         for group in context:
