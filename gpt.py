@@ -49,7 +49,9 @@ class GPTConfig(DeltaNetConfig):  # Gated DeltaNet's settings, from deltanet.py,
 
     def __post_init__(self):
         if self.n_embd % self.n_head or (self.n_embd // self.n_head) % 2:
-            raise ValueError(f"n_embd={self.n_embd} must split into n_head={self.n_head} heads of even size")
+            heads = ", ".join(str(n) for n in range(1, self.n_embd // 2 + 1) if self.n_embd % (2 * n) == 0)
+            raise ValueError(f"n_embd={self.n_embd} must split into n_head={self.n_head} heads of even size; choose "
+                             f"n_head in {{{heads}}}")
         head_layout(self.n_head, self.n_kv_head, 1)  # a ValueError unless n_kv_head divides n_head
         self.resolve_deltanet(self.n_head, self.n_embd // self.n_head)
         self.intermediate_size = self.intermediate_size or 4 * self.n_embd
@@ -60,9 +62,8 @@ class GPTConfig(DeltaNetConfig):  # Gated DeltaNet's settings, from deltanet.py,
             raise ValueError(f"layer_pattern={self.layer_pattern!r}: use the letters a (softmax attention) and "
                              f"d (Gated DeltaNet), e.g. 'ddda'")
         if len(self.layer_pattern) > self.n_layer:  # letters past n_layer would build no layer
-            raise ValueError(f"layer_pattern={self.layer_pattern!r} has more letters than n_layer={self.n_layer}: "
-                             f"layer i takes letter i % {len(self.layer_pattern)}, so the letters past the first "
-                             f"{self.n_layer} would build no layer")
+            raise ValueError(f"layer_pattern={self.layer_pattern!r} has more letters than n_layer={self.n_layer}; "
+                             f"choose n_layer >= {len(self.layer_pattern)}, or at most {self.n_layer} letters")
 
 
 # Real models' shapes, by name (train.py --model NAME; flags beside it change them). Llama-3-8B: 32 layers of 4,096,
@@ -146,8 +147,7 @@ class RMSNorm(nn.RMSNorm):  # nn.RMSNorm's weight and name, rms_norm's arithmeti
 class Block(nn.Module):
     def __init__(self, cfg, sp_group, kind, ring_group=None):
         super().__init__()
-        self.kind = kind  # "a" or "d"
-        self.norm1 = RMSNorm(cfg.n_embd)
+        self.kind, self.norm1 = kind, RMSNorm(cfg.n_embd)  # kind: "a" softmax attention, "d" Gated DeltaNet
         self.attn = Attention(cfg, sp_group) if kind == "a" else GatedDeltaNet(cfg, sp_group, ring_group)
         self.norm2, self.mlp = RMSNorm(cfg.n_embd), MLP(cfg)
 

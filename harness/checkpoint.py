@@ -125,9 +125,8 @@ def optimizer_scalars(optimizer):
     scalars = {}
     for state in optimizer.state.values():
         for key, t in state.items():
-            if t.dim() == 0:
-                if scalars.setdefault(key, t.item()) != t.item():
-                    raise ValueError(f"optimizer state {key!r} differs between parameters")
+            if t.dim() == 0 and scalars.setdefault(key, t.item()) != t.item():
+                raise ValueError(f"optimizer state {key!r} differs between parameters")
     return scalars
 
 
@@ -156,9 +155,8 @@ def newest(out_dir):
 
 
 def shards(path):
-    """The pieces every rank of the layout that wrote the checkpoint held, read lazily (mmap) into host memory. A GPU
-    run's checkpoint then loads on a machine without that GPU; and no rank copies every shard onto the GPU that wrote
-    it."""
+    """The pieces every rank of the layout that wrote the checkpoint held, read lazily (mmap) into host memory: a GPU
+    run's checkpoint loads on a machine without that GPU, and no rank copies every shard onto the GPU that wrote it."""
     with open(os.path.join(path, MANIFEST)) as f:
         names = [name for name in json.load(f)["files"] if name.startswith("shard_")]
     return [torch.load(os.path.join(path, name), map_location="cpu", mmap=True, weights_only=True) for name in names]
@@ -365,7 +363,9 @@ def find(args, world_size, control, lr_at, data_sha256):
     if trainer["step"] > args.steps:
         fail(f"checkpoint {path} is past --steps {args.steps}: it has done {trainer['step']} steps")
     if {**run["model"], **trainer["model"]} != run["model"]:  # a field the checkpoint lacks: as resolved
-        fail(f"checkpoint {path} holds a model with {trainer['model']}; the flags ask for {run['model']}")
+        differ = ", ".join(f"--{name.replace('_', '-')} {value} there, {run['model'].get(name)} here"
+                           for name, value in trainer["model"].items() if run["model"].get(name) != value)
+        fail(f"checkpoint {path} holds another model ({differ}); resume with its flags, or choose another --out-dir")
     if trainer["schedule"] != run["schedule"] and not args.new_schedule:
         was = argparse.Namespace(**{**vars(args), **trainer["schedule"]})
         changed = ", ".join(f"--{k} {trainer['schedule'][k]:g} -> {v:g}" for k, v in run["schedule"].items()
