@@ -36,9 +36,16 @@ from harness import bench, launch
     (4, ["--ring", "3"], r"--ring 3 does not divide --sp 4; choose --ring in \{1, 2, 4\}"),
     (1, ["--layer-pattern", "da", "--gdn-k-heads", "4", "--gdn-v-heads", "6"],
      r"gdn_v_heads=6 is not a multiple of gdn_k_heads=4; choose gdn_v_heads in \{4, 8, 12, 16, \.\.\.\}"),
-    (4, ["--layer-pattern", "d", "--gdn-k-heads", "1", "--gdn-v-heads", "2"],
-     r"--sp 4 is larger than the 2 value heads of a Gated DeltaNet layer: a rank would hold none; choose --sp in "
-     r"\{1, 2\} or more --gdn-v-heads"),
+    (4, ["--layer-pattern", "d", "--gdn-k-heads", "3", "--gdn-v-heads", "3"],
+     r"--sp 4 is larger than the 3 value heads of a Gated DeltaNet layer: a rank would hold none; choose --sp in "
+     r"\{1, 2\}, or more --gdn-v-heads"),
+    (1, ["--layer-pattern", "d", "--window", "8"], r"--window shapes softmax attention, and --layer-pattern d has no a "
+                                                   r"layer; drop --window, or put an a in --layer-pattern"),
+    (1, ["--layer-pattern", "dd", "--sinks"], r"--sinks shapes softmax attention, and --layer-pattern dd has no a "),
+    (2, ["--plan", "2x80"], r"--plan traces every GPU it names in one process: run python train.py --plan 2x80, not "
+                            r"torchrun"),
+    (1, ["--plan", "2x80", "--metrics", "{tmp}"], r"--metrics \S+ is a directory; give a file name"),
+    (1, ["--plan", "2x80", "--data", "{one_paragraph}"], r"--data \S+one.txt: .*sequences of 128 tokens need 129"),
     (4, ["--ring", "2", "--layer-pattern", "da"], r"--ring 2 cannot be used with --gdn-parallel ulysses: its Gated "
                                                   r"DeltaNet layers need whole heads of the whole sequence "
                                                   r"\(--gdn-parallel context runs beside a ring\); use --ring 1"),
@@ -54,6 +61,8 @@ from harness import bench, launch
     (1, ["--data", "{empty}"], r"--data .*empty.txt: holds no text"),
     (1, ["--data", "{empty}", "--pack"], r"--data .*empty.txt: holds no text"),
     (1, ["--save-every", "5"], r"--resume, --save-every and --keep need --out-dir"),
+    (1, ["--new-schedule"], r"--new-schedule accepts another schedule than the checkpoint's on --resume; add "
+                            r"--resume, or drop it"),
     (1, ["--offload"], r"--offload keeps the block inputs that --recompute saves in CPU memory; add --recompute"),
     (1, ["--layer-pattern", "adx"], r"layer_pattern='adx': use the letters a \(softmax attention\) and d"),
     (4, ["--layer-pattern", "ad", "--n-layer", "1", "--ring", "2"], r"layer_pattern='ad' has more letters than "

@@ -18,7 +18,7 @@ import torch.multiprocessing as mp
 from torch._subclasses.fake_tensor import FakeTensor
 
 import train
-from conftest import HERE, bytes_line, run_ranks, train_rank
+from conftest import HERE, PARAGRAPHS, bytes_line, run_ranks, train_rank
 from harness import fakes, launch, memory
 
 
@@ -140,23 +140,28 @@ def test_the_longest_sequence_that_fits():
 
 def test_a_plan_prints_the_traced_peak_and_the_longest_sequence(capsys, tmp_path):
     """--plan NxG: the traced peak per GPU against G GiB and the longest sequence that fits, in one process, no GPU,
-    and with --metrics the same as a JSON line; one that does not fit exits 1 after its lines; a --plan that is not
-    NxG is one line."""
+    and with --metrics the same as a JSON line; one that does not fit exits 1 after its lines; unpacked text searches
+    past the length of its file (its sequences' memory does not depend on it); a --plan that is not NxG is one line."""
     metrics = tmp_path / "new folder" / "plan.jsonl"
     assert train.main(["--plan", "8x1", "--n-layer", "3", "--n-head", "8", "--seq-len", "65536", "--batch-size", "1",
                        "--recompute", "--offload", "--compile", "--metrics", str(metrics)])
     printed = capsys.readouterr().out
     plan = json.loads(metrics.read_text())
-    assert f"fits: {plan['peak_bytes'] / 2**30:.1f} GiB of 1.0 GiB" in printed, (plan, printed)
+    assert f"fits: {memory.size(plan['peak_bytes'])} of 1.0 GiB" in printed, (plan, printed)
     assert f"longest sequence that fits: {plan['longest']:,} tokens" in printed, (plan, printed)
-    assert re.match(r"plan: 8 GPUs, sp 8, seq 65,536: fits: [\d.]+ GiB of 1.0 GiB per GPU for 8,192 tokens per rank, "
-                    r"and [\d.]+ GiB of CPU memory per GPU \(the step traced on fake tensors, rank 0, 3 layers, \d+ s; "
+    assert re.match(r"plan: 8 GPUs, sp 8, seq 65,536: fits: [\d.]+ MiB of 1.0 GiB per GPU for 8,192 tokens per rank, "
+                    r"and [\d.]+ MiB of CPU memory per GPU \(the step traced on fake tensors, rank 0, 3 layers, \d+ s; "
                     r"eager, as --compile is not traced\)\nlongest sequence that fits: [\d,]+ tokens \(within 1%; "
                     r"the search traced for \d+ s\)\n$", printed), printed
     with pytest.raises(SystemExit, match=r"^1$"):  # its model state alone is 7 MiB
         train.main(["--plan", "1x0.001", "--seq-len", "100000"])
     printed = capsys.readouterr().out
-    assert re.search(r"seq 100,000: does NOT fit: .*\nlongest sequence that fits: none", printed), printed
+    assert re.search(r"seq 100,000: does NOT fit: [\d.,]+ [GM]iB of 1.0 MiB .*\nlongest sequence that fits: none",
+                     printed), printed
+    text = tmp_path / "text.txt"  # unpacked text is S tokens of one document: the copy task's memory at any S
+    text.write_text(PARAGRAPHS)  # 973 bytes, fewer than the search's longer sequences
+    assert train.main(["--plan", "1x0.02", "--seq-len", "64", "--batch-size", "1", "--data", str(text)])
+    assert int(capsys.readouterr().out.split("longest sequence that fits: ")[1].split()[0].replace(",", "")) > 974
     for plan in ("8", "8xinf", "8x0", "0x80", "8xnan"):
         with pytest.raises(SystemExit, match=rf"--plan {plan}: write it as GPUSxGIB, at least one GPU of more than 0 "
                                              rf"GiB, e.g. 8x80"):

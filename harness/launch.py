@@ -266,9 +266,14 @@ def check_args(args, world_size):
     except ValueError as e:
         fail(e)
     if "d" in args.layer_pattern and args.gdn_parallel == "ulysses" and args.sp > cfg.gdn_v_heads:
+        sps = [p for p in range(1, cfg.gdn_v_heads + 1) if world_size % p == 0]
         fail(f"--sp {args.sp} is larger than the {cfg.gdn_v_heads} value heads of a Gated DeltaNet layer: a rank would "
-             f"hold none; choose --sp in {{{', '.join(str(p) for p in range(1, cfg.gdn_v_heads + 1))}}} or more "
-             f"--gdn-v-heads, or --gdn-parallel context")
+             f"hold none; choose --sp in {{{', '.join(map(str, sps))}}}, or more --gdn-v-heads, or --gdn-parallel "
+             f"context")
+    for flag, given in (("window", args.window), ("sinks", args.sinks)):
+        if given and "a" not in args.layer_pattern:
+            fail(f"--{flag} shapes softmax attention, and --layer-pattern {args.layer_pattern} has no a layer; drop "
+                 f"--{flag}, or put an a in --layer-pattern")
     if args.balance == "documents" and not (args.pack and "d" not in args.layer_pattern):
         fail("--balance documents shares each packed document's work over a ring's ranks: it needs --pack, and no "
              "Gated DeltaNet layers (their context-parallel state runs in the zigzag order); use --balance zigzag")
@@ -282,6 +287,8 @@ def check_args(args, world_size):
         fail("--device cuda, but torch sees no CUDA device; choose --device cpu")
     if (args.resume or args.save_every or args.keep) and args.out_dir is None:
         fail("--resume, --save-every and --keep need --out-dir")
+    if args.new_schedule and not args.resume:
+        fail("--new-schedule accepts another schedule than the checkpoint's on --resume; add --resume, or drop it")
 
 
 def divisors(n):
@@ -431,18 +438,27 @@ def lost_ranks(world_size, wait=3.0):
 def this_machine(args):
     """What a rank checks on its own machine: --data, read (its documents, None for the copy task, and the SHA-256
     of its bytes), and the folders that --metrics (rank 0 writes it) and --out-dir write into."""
-    try:
-        documents = None if args.data is None else data.read_documents(args.data, args.pack, args.seq_len)
-    except ValueError as e:
-        fail(f"--data {args.data}: {e}")
+    documents = read_data(args)
     if int(os.environ.get("RANK", 0)) == 0 and args.metrics:
-        if os.path.isdir(args.metrics):
-            fail(f"--metrics {args.metrics} is a directory; give a file name, e.g. "
-                 f"{os.path.join(args.metrics, 'metrics.jsonl')}")
-        make_folder("--metrics", os.path.dirname(os.path.abspath(args.metrics)))
+        check_metrics(args.metrics)
     if args.out_dir is not None:
         make_folder("--out-dir", args.out_dir)
     return documents, args.data and sha256(args.data)
+
+
+def read_data(args):
+    """--data's documents as a run reads them (None: the copy task); one line if it cannot."""
+    try:
+        return None if args.data is None else data.read_documents(args.data, args.pack, args.seq_len)
+    except ValueError as e:
+        fail(f"--data {args.data}: {e}")
+
+
+def check_metrics(path):
+    """The file --metrics names: not a directory, in a folder that can be made and written; one line if not."""
+    if os.path.isdir(path):
+        fail(f"--metrics {path} is a directory; give a file name, e.g. {os.path.join(path, 'metrics.jsonl')}")
+    make_folder("--metrics", os.path.dirname(os.path.abspath(path)))
 
 
 def make_folder(flag, folder):

@@ -25,10 +25,9 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakIdKeyDictionary
 
-import data
 import ulysses
 from harness.fakes import FakeTensors, as_on_cuda, peers, works_hold_tensors
-from harness.launch import check_args, device_mesh, fail, local_gpu
+from harness.launch import check_args, check_metrics, device_mesh, fail, local_gpu, read_data
 
 
 def local_tokens(args):
@@ -181,10 +180,9 @@ def trace(args, world_size, build, cuda, rank=None):
     which finds AdamW's state made; the fake process group moves nothing. cuda: as on a GPU (`as_on_cuda`), host
     memory the meta device, counted apart."""
     from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
-    try:  # --data's own documents, read as a run reads them (packed, their lengths set attention's memory)
-        documents = data.read_documents(args.data, args.pack, args.seq_len) if args.data else None
-    except ValueError as e:
-        fail(f"--data {args.data}: {e}")
+    # packed --data: its own documents, whose lengths set attention's memory; unpacked text is S tokens of one
+    # document at any S, the copy task's memory (plan checks that --seq-len's fit the file)
+    documents = read_data(args) if args.pack else None
     rank = traced_ranks(args, world_size)[0] if rank is None else rank
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
@@ -255,20 +253,25 @@ TOLERANCE = 0.01  # the search for the longest sequence stops this close to it
 def plan(args, build):
     """--plan NxGIB: this run's traced peak per GPU on N GPUs of GIB GiB, and the longest sequence that fits, without
     running it. True if it fits; SystemExit(1), after its lines, if not."""
+    if int(os.environ.get("WORLD_SIZE", 1)) > 1:
+        fail(f"--plan traces every GPU it names in one process: run python train.py --plan {args.plan}, not torchrun")
     given = re.fullmatch(r"(\d+)x(\d*\.?\d+)", args.plan.lower())
     if not given or int(given[1]) < 1 or float(given[2]) <= 0:
         fail(f"--plan {args.plan}: write it as GPUSxGIB, at least one GPU of more than 0 GiB, e.g. 8x80 for 8 GPUs "
              f"of 80 GiB")
     world_size, memory = int(given[1]), float(given[2]) * 2**30
     check_args(args, world_size)
+    read_data(args)  # the run's own --data, before a trace of minutes; so is --metrics
+    if args.metrics:
+        check_metrics(args.metrics)
     here = planned(args, world_size, build)
     fits, usp = here["device"] <= memory, f" (ulysses {args.sp // args.ring} x ring {args.ring})" * (args.ring > 1)
     eager = "; eager, as --compile is not traced" * args.compile
     several = here["ranks"] > 1  # ranks whose work differs: the GPU peak of the busiest, the most CPU memory of any
     busiest = f", the busiest of {here['ranks']} whose work differs (CPU memory: the most of theirs)" * several
     print(f"plan: {world_size} GPU{'s' * (world_size > 1)}, sp {args.sp}{usp}, seq {args.seq_len:,}: "
-          f"{'fits' if fits else 'does NOT fit'}: {gib(here['device'])} of {gib(memory)} per GPU for "
-          f"{local_tokens(args):,} tokens per rank, and {gib(here['host'])} of CPU memory per GPU (the step traced on "
+          f"{'fits' if fits else 'does NOT fit'}: {size(here['device'])} of {size(memory)} per GPU for "
+          f"{local_tokens(args):,} tokens per rank, and {size(here['host'])} of CPU memory per GPU (the step traced on "
           f"fake tensors, rank {here['rank']}{busiest}, {here['how']}, {here['seconds']:.0f} s{eager})", flush=True)
     start, peaks = time.perf_counter(), {args.seq_len: here["device"]}
     n = longest(lambda S: peaks.get(S) or planned(args, world_size, build, seq_len=S)["device"], args.seq_len,
@@ -276,7 +279,6 @@ def plan(args, build):
     print(f"longest sequence that fits: {f'{n:,} tokens' if n else 'none'} (within {TOLERANCE:.0%}; the search traced "
           f"for {time.perf_counter() - start:.0f} s)")
     if args.metrics:  # the plan as one JSON line, for a script to read (python -m harness.bench plans)
-        os.makedirs(os.path.dirname(os.path.abspath(args.metrics)), exist_ok=True)
         with open(args.metrics, "a") as f:
             f.write(json.dumps({"peak_bytes": here["device"], "host_peak_bytes": here["host"], "longest": n}) + "\n")
     if not fits:
@@ -312,12 +314,12 @@ def check(args, build):
     gpu, sharing = local_gpu(args)
     free = torch.cuda.mem_get_info(gpu)[0]
     if sharing * traced["device"] > free:
-        fail(f"this run would need {gib(traced['device'])} per rank, {local_tokens(args):,} tokens on each (its step "
-             f"traced on fake tensors), {sharing} rank(s) on GPU {gpu}, against {gib(free)} free there; --plan "
+        fail(f"this run would need {size(traced['device'])} per rank, {local_tokens(args):,} tokens on each (its step "
+             f"traced on fake tensors), {sharing} rank(s) on GPU {gpu}, against {size(free)} free there; --plan "
              f"{world_size}x{math.floor(free / sharing / 2**30 * 10) / 10:g} finds the longest sequence that fits",
              alike=False)
     return traced
 
 
-def gib(n):
-    return f"{n / 2**30:,.1f} GiB"
+def size(n):  # bytes: GiB to a tenth, under 1 GiB MiB
+    return f"{n / 2**30:,.1f} GiB" if n >= 2**30 else f"{n / 2**20:,.1f} MiB"
