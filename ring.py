@@ -58,21 +58,19 @@ def ring_attention(q, k, v, group=None, layout=None, window=None, causal=True, s
     gathered over the Ulysses group). sinks [Hq]: a logit per head. fused=False: the einsum tiles."""
     R = size_and_rank(group)[0]
     given = torch.is_tensor(layout)  # each token's index, not a layout by name
-    if ((R > 1 and not given and layout not in ("zigzag", "contiguous")) or
-            (given and (layout.shape != q.shape[:2] or position_ids is None))):
-        raise ValueError(f"layout={tuple(layout.shape) if given else layout!r}: a ring of {R} ranks takes how its "
-                         f"tokens were sharded: 'zigzag', 'contiguous', or each token's index [B, L] with position_ids")
+    if R > 1 and not given and layout not in ("zigzag", "contiguous"):  # a tensor's shape: check_same_inputs
+        raise ValueError(f"layout={layout!r}: a ring of {R} ranks takes 'zigzag', 'contiguous' or token indices [B, L]")
     if window and (not causal or window < 0):
         raise ValueError(f"window={window}: a sliding window looks back from each query: 1 or more tokens, causal=True")
     if not torch.compiler.is_compiling():
-        check_same_inputs(q, k, v, sinks, position_ids, group)  # one error on every rank; the rest must match
+        check_same_inputs(q, k, v, sinks, position_ids, layout if given else None, group)  # one error on every rank
     if R > 1 and layout == "zigzag" and q.shape[1] % 2:
         raise ValueError(f"{q.shape[1]} tokens on this rank: zigzag's two equal chunks need an even number")
     indices = (check_layout(layout, group) if given else  # (R, B, L): each ring rank's token indices, or (R, 1, L)
                torch.stack([token_index(layout if R > 1 else "contiguous", j, R, q.shape[1])[None] for j in range(R)]))
     documents = None
     if position_ids is not None:  # each token index's document, a new one wherever position_ids is 0: [B, S]
-        ids = gather_ring(position_ids, group).cpu()  # (R, B, L): every ring rank's position_ids, one all-gather
+        ids = gather_ring(position_ids.long(), group).cpu()  # (R, B, L): every ring rank's position_ids, one all-gather
         where = indices.expand_as(ids).transpose(0, 1).flatten(1)  # (B, R*L) = (B, S): each id's token index
         in_order = ids.new_empty(where.shape).scatter_(1, where, ids.transpose(0, 1).flatten(1))  # (B, S), in order
         documents = (in_order == 0).cumsum(1)  # (B, S)
@@ -372,7 +370,7 @@ def shard_for_ring(input_ids, labels, position_ids, ulysses_group, ring_group, l
 
 def check_layout(layout, group):
     """Every ring rank's token indices [B, L], as [R, B, L]; ValueError unless rising, each once (not when compiled)."""
-    every = gather_ring(layout, group).cpu()  # (R, B, L)
+    every = gather_ring(layout.long(), group).cpu()  # (R, B, L)
     tokens = every.transpose(0, 1).flatten(1)  # (B, R*L) = (B, S)
     if not torch.compiler.is_compiling() and ((every.diff(dim=-1) <= 0).any() or
                                               (tokens.sort(-1).values != torch.arange(tokens.shape[1])).any()):
@@ -395,25 +393,27 @@ def ring_bytes(R, kv_bytes, dkv_bytes):
     return (R - 1) * kv_bytes, (R - 1) * kv_bytes + (R * dkv_bytes if R > 1 else 0)
 
 
-def check_same_inputs(q, k, v, sinks, position_ids, group):
-    """One ValueError on every rank unless q, k, v fit together (sinks [Hq], position_ids [B, L], if given) and match
-    on every rank of the ring: the sends assume it; a mismatch would abort gloo or leave the other ranks waiting."""
+def check_same_inputs(q, k, v, sinks, position_ids, layout, group):
+    """One ValueError on every rank unless q, k, v fit together (sinks [Hq]; position_ids and token indices `layout`
+    [B, L], if given) and match on every rank of the ring: the sends assume it; else gloo aborts, or ranks wait."""
     dtypes = [torch.float64, torch.float32, torch.bfloat16, torch.float16]
     fit = (q.dim() == k.dim() == 4 and k.shape == v.shape and q.shape[:2] == k.shape[:2] and q.shape[3] == k.shape[3]
            and k.shape[2] > 0 and q.shape[2] % k.shape[2] == 0 and q.dtype == k.dtype == v.dtype and q.dtype in dtypes
            and (sinks is None or sinks.shape == q.shape[2:3])
-           and (position_ids is None or position_ids.shape == q.shape[:2]))
-    mine = [*q.shape, k.shape[2], dtypes.index(q.dtype)] if fit else [-1] * 6  # B, L, Hq, D, Hkv, dtype
-    every = gather_ring(torch.tensor([mine], device=q.device if group else "cpu"), group)[:, 0].tolist()  # (R, 6)
+           and (position_ids is None or position_ids.shape == q.shape[:2])
+           and (layout is None or layout.shape == q.shape[:2] and position_ids is not None))
+    mine = ([*q.shape, k.shape[2], dtypes.index(q.dtype), position_ids is not None, layout is not None] if fit
+            else [-1] * 8)  # B, L, Hq, D, Hkv, dtype, whether position_ids and layout are given
+    every = gather_ring(torch.tensor([mine], device=q.device if group else "cpu"), group)[:, 0].tolist()  # (R, 8)
     if every[0][0] < 0 or any(row != every[0] for row in every):
-        shown = "; ".join(f"{rank}: {'unfit' if row[0] < 0 else [*row[:5], dtypes[row[5]]]}"
+        shown = "; ".join(f"{rank}: {'unfit' if row[0] < 0 else [*row[:5], dtypes[row[5]], *row[6:]]}"
                           for rank, row in enumerate(every))
-        this = "" if fit else " (this rank: " + ", ".join(f"{n} {tuple(t.shape)} {t.dtype}" for n, t in zip(
-            ("q", "k", "v", "sinks", "position_ids"), (q, k, v, sinks, position_ids)) if t is not None) + ")"
-        raise ValueError(f"q, k, v differ between the ranks of the ring or do not fit together ([B, L, Hq, D, Hkv, "
-                         f"dtype] by rank: {shown}){this}; want q [B, L, Hq, D] and k, v [B, L, Hkv, D] of one "
-                         f"dtype, Hq a multiple of Hkv, sinks [Hq], position_ids [B, L] (under USP, gathered over "
-                         f"the Ulysses group), the same on every rank (shard_for_ring cuts so)")
+        this = "" if fit else " (this rank: " + ", ".join(f"{n} {tuple(t.shape)} {t.dtype}" for n, t in dict(
+            q=q, k=k, v=v, sinks=sinks, position_ids=position_ids, layout=layout).items() if t is not None) + ")"
+        raise ValueError(f"q, k, v differ between the ranks or do not fit together ([B, L, Hq, D, Hkv, dtype, "
+                         f"position_ids?, layout?] by rank: {shown}){this}; want q [B, L, Hq, D], k and v [B, L, Hkv, "
+                         f"D] of one dtype, Hq a multiple of Hkv, sinks [Hq], position_ids and layout [B, L] (under "
+                         f"USP, gathered over the Ulysses group), alike on every rank")
 
 
 def gather_ring(x, group):

@@ -337,9 +337,14 @@ def _options_rank(rank, R):
         except ValueError as e:
             errors.append(str(e))
     mine = ring.token_index("contiguous", rank, R, 8)[None]  # (1, 8): rising, each token once over the ranks
-    for index in (mine.flip(1) if rank == 1 else mine, ring.token_index("contiguous", 0, R, 8)[None]):
-        try:  # token indices given that fall on rank 1, then the same indices on every rank
-            ring.ring_attention(q, kv, kv, dist.group.WORLD, index, position_ids=torch.ones(1, 8, dtype=torch.long))
+    ones = torch.ones(1, 8, dtype=torch.long)
+    for index, position_ids in ((mine.flip(1) if rank == 1 else mine, ones),  # falling on rank 1
+                                (ring.token_index("contiguous", 0, R, 8)[None], ones),  # the same on every rank
+                                ("zigzag", None if rank == 1 else ones),  # position ids on ranks 0 and 2 only
+                                (mine[:, :7] if rank == 1 else mine, ones),  # rank 1: indices of 7 tokens for 8
+                                (mine, ones.int() if rank == 1 else ones)):  # int32 position ids on rank 1: fine
+        try:
+            ring.ring_attention(q, kv, kv, dist.group.WORLD, index, position_ids=position_ids)
         except ValueError as e:
             errors.append(str(e))
     return results, errors
@@ -350,9 +355,10 @@ def test_ring_options_lse_and_mismatched_ranks():
     (1e-12), the fused kernel and the einsum tiles, each layout. Ranks that hold different token counts or dtypes
     get one error on every rank naming each rank's value, never a gloo abort, and so does a rank whose own k and v
     do not fit its q (another head size, another dtype, three dimensions), whose sinks do not fit its query heads, or
-    whose position ids have fewer rows than its queries;
-    a ring called without its layout is refused, and so are a window that looks forward, a window without causal
-    attention, and token indices that fall on a rank or repeat a token."""
+    whose position ids have fewer rows than its queries, or whose token indices do not fit its queries, and ranks that
+    pass position ids or not (int32 on one rank, int64 on another, is fine); a ring called without its layout is
+    refused, and so are a window that looks forward, a window without causal attention, and token indices that fall
+    on a rank or repeat a token."""
     R = 3
     per_rank = run_ranks(R, _options_rank)
     for i, causal in enumerate((False, False, True, True)):
@@ -368,29 +374,35 @@ def test_ring_options_lse_and_mismatched_ranks():
             for full, part in zip(got, parts):
                 full[:, index] = part
         assert_all_close(got, want, 1e-12, 1e-12, where=f"case {i}")
-    want = ("; want q [B, L, Hq, D] and k, v [B, L, Hkv, D] of one dtype, Hq a multiple of Hkv, sinks [Hq], "
-            "position_ids [B, L] (under USP, gathered over the Ulysses group), the same on every rank (shard_for_ring "
-            "cuts so)")
-    by_rank = "q, k, v differ between the ranks of the ring or do not fit together ([B, L, Hq, D, Hkv, dtype] by rank: "
+    want = ("; want q [B, L, Hq, D], k and v [B, L, Hkv, D] of one dtype, Hq a multiple of Hkv, sinks [Hq], "
+            "position_ids and layout [B, L] (under USP, gathered over the Ulysses group), alike on every rank")
+    by_rank = ("q, k, v differ between the ranks or do not fit together ([B, L, Hq, D, Hkv, dtype, position_ids?, "
+               "layout?] by rank: ")
     fp32, fp64 = "torch.float32", "torch.float64"
     for rank, (_, errors) in enumerate(per_rank):
-        unfit = [f"{by_rank}0: [1, 8, 4, 8, 2, {fp32}]; 1: unfit; 2: [1, 8, 4, 8, 2, {fp32}])"
+        unfit = [f"{by_rank}0: [1, 8, 4, 8, 2, {fp32}, 0, 0]; 1: unfit; 2: [1, 8, 4, 8, 2, {fp32}, 0, 0])"
                  f"{mine if rank == 1 else ''}{want}" for mine in (
                      f" (this rank: q (1, 8, 4, 8) {fp32}, k (1, 8, 2, 4) {fp32}, v (1, 8, 2, 4) {fp32})",
                      f" (this rank: q (1, 8, 4, 8) {fp32}, k (1, 8, 2, 8) {fp64}, v (1, 8, 2, 8) {fp64})",
                      f" (this rank: q (1, 8, 4, 8) {fp32}, k (1, 8, 2) {fp32}, v (1, 8, 2) {fp32})",
                      f" (this rank: q (1, 8, 4, 8) {fp32}, k (1, 8, 2, 8) {fp32}, v (1, 8, 2, 8) {fp32}, sinks (3,) "
                      f"{fp32})")]
+        row = f"1, 8, 4, 8, 2, {fp32}"
         assert errors == [
-            f"{by_rank}0: [1, 10, 4, 8, 4, {fp32}]; 1: [1, 12, 4, 8, 4, {fp32}]; 2: [1, 12, 4, 8, 4, {fp32}]){want}",
-            f"{by_rank}0: [1, 12, 4, 8, 4, {fp32}]; 1: [1, 12, 4, 8, 4, {fp64}]; 2: [1, 12, 4, 8, 4, {fp64}]){want}",
-            "layout=None: a ring of 3 ranks takes how its tokens were sharded: 'zigzag', 'contiguous', or each token's "
-            "index [B, L] with position_ids"] + unfit + [
-            f"{by_rank}0: [2, 8, 4, 8, 2, {fp32}]; 1: unfit; 2: [2, 8, 4, 8, 2, {fp32}])" + (
+            f"{by_rank}0: [1, 10, 4, 8, 4, {fp32}, 0, 0]; 1: [1, 12, 4, 8, 4, {fp32}, 0, 0]; 2: [1, 12, 4, 8, 4, "
+            f"{fp32}, 0, 0]){want}",
+            f"{by_rank}0: [1, 12, 4, 8, 4, {fp32}, 0, 0]; 1: [1, 12, 4, 8, 4, {fp64}, 0, 0]; 2: [1, 12, 4, 8, 4, "
+            f"{fp64}, 0, 0]){want}",
+            "layout=None: a ring of 3 ranks takes 'zigzag', 'contiguous' or token indices [B, L]"] + unfit + [
+            f"{by_rank}0: [2, 8, 4, 8, 2, {fp32}, 1, 0]; 1: unfit; 2: [2, 8, 4, 8, 2, {fp32}, 1, 0])" + (
                 f" (this rank: q (2, 8, 4, 8) {fp32}, k (2, 8, 2, 8) {fp32}, v (2, 8, 2, 8) {fp32}, position_ids "
                 f"(1, 8) torch.int64)" if rank == 1 else "") + want] + [
             f"window={w}: a sliding window looks back from each query: 1 or more tokens, causal=True"
-            for w in (-1, 4)] + ["layout: each ring rank must hold rising token indices, each token once"] * 2
+            for w in (-1, 4)] + ["layout: each ring rank must hold rising token indices, each token once"] * 2 + [
+            f"{by_rank}0: [{row}, 1, 0]; 1: [{row}, 0, 0]; 2: [{row}, 1, 0]){want}",
+            f"{by_rank}0: [{row}, 1, 1]; 1: unfit; 2: [{row}, 1, 1])" + (
+                f" (this rank: q (1, 8, 4, 8) {fp32}, k (1, 8, 2, 8) {fp32}, v (1, 8, 2, 8) {fp32}, position_ids "
+                f"(1, 8) torch.int64, layout (1, 7) torch.int64)" if rank == 1 else "") + want]
 
 
 def _large_scores(seed=2):
