@@ -48,6 +48,9 @@ def document_attention(q, k, v, position_ids, window=None):
     sequence; a document starts wherever they are 0. Ulysses' kernel runs once per document, so its scores grow with
     the longest document, never as S^2 (a window keeps every document's [n, n] mask for backward: the sum of n^2)."""
     B, S, Hq, D = q.shape
+    if position_ids.shape != (B, S):  # this rank's own [B, S/P], say, would cut documents in the wrong places
+        raise ValueError(f"document_attention: position_ids {tuple(position_ids.shape)}, want the full sequence's [B, "
+                         f"S] = [{B}, {S}] (under Ulysses, gather_sequence's)")
     # every row starts a document, so none crosses rows: each is attended where it lies, as a view
     bounds = document_bounds(position_ids == 0).tolist()  # (documents + 1,)
     documents = [(s // S, s % S, e - s) for s, e in zip(bounds[:-1], bounds[1:])]  # (row, first token, length)

@@ -180,22 +180,29 @@ def test_attention_kernels_match_the_dense_formula():
                                _dense_attention(q, k, v, causal & same_document))
     torch.testing.assert_close(documents.document_attention(q, k, v, position_ids, window=3),
                                _dense_attention(q, k, v, causal & same_document & (i[:, None] - i[None, :] < 3)))
+    with pytest.raises(ValueError, match=r"document_attention: position_ids \(2, 8\), want the full sequence's \[B, "
+                                         r"S\] = \[2, 16\] \(under Ulysses, gather_sequence's\)"):
+        documents.document_attention(q, k, v, position_ids[:, :8])  # a rank's own half, not the gathered whole
 
 
 def _unequal_shards_rank(rank, world_size):
-    model = GPT(GPTConfig(n_layer=1, n_embd=32), sp_group=dist.group.WORLD)
-    idx = torch.zeros(2, 3 + rank, dtype=torch.long)  # rank 0: 3 tokens, rank 1: 4
-    try:
-        model(idx, torch.arange(3 + rank).expand(2, -1))
-    except ValueError as e:
-        return str(e)
+    model, messages = GPT(GPTConfig(n_layer=1, n_embd=32), sp_group=dist.group.WORLD), []
+    for idx in (torch.zeros(2, 3 + rank, dtype=torch.long),  # rank 0: 3 tokens, rank 1: 4
+                torch.zeros(3, dtype=torch.long) if rank else torch.zeros(2, 3, dtype=torch.long)):  # rank 1: no batch
+        try:
+            model(idx, torch.arange(idx.shape[-1]).expand_as(idx))
+        except ValueError as e:
+            messages.append(str(e))
+    return messages
 
 
 def test_shards_of_different_lengths_are_refused():
-    """Shards made by hand with different lengths: a clear error on every rank, not an abort inside gloo."""
-    for message in run_ranks(2, _unequal_shards_rank):
-        assert message.startswith("the ranks of the SP group hold [batch, tokens] shards of different shapes, "
-                                  "[(2, 3), (2, 4)] by rank")
+    """Shards made by hand with different lengths, or of other dimensions: a clear error on every rank, not an abort
+    inside gloo."""
+    for messages in run_ranks(2, _unequal_shards_rank):
+        assert [m[:m.index(" by rank")] for m in messages] == [
+            f"the ranks of the SP group hold [batch, tokens] shards of different shapes, {shapes}"
+            for shapes in ("[(2, 3), (2, 4)]", "[(2, 3), (-1, -1)]")]
 
 
 def _mismatched_inputs_rank(rank, world_size):

@@ -291,7 +291,7 @@ def check_shards(x, group=None):
     """ValueError on every rank unless every rank of the group holds a batch of the same [B, S_local] as x ([B,
     S_local, ...]). The all-to-alls assume it: a mismatch would abort or hang the collective.
     shard_for_sp always cuts equal shards; a model calls this once per forward (one all-gather of two numbers)."""
-    shapes = _every_rank([*x.shape[:2]], x.device, group)
+    shapes = _every_rank([*x.shape[:2]] if x.dim() >= 2 else [-1, -1], x.device, group)  # -1: not [B, S_local, ...]
     if len(set(shapes)) > 1:
         raise ValueError(f"the ranks of the SP group hold [batch, tokens] shards of different shapes, {shapes} by "
                          f"rank; each must hold S/P tokens of the same batch (shard_for_sp pads S to a multiple of P)")
