@@ -410,10 +410,10 @@ def check_same_inputs(q, k, v, sinks, position_ids, layout, group):
                           for rank, row in enumerate(every))
         this = "" if fit else " (this rank: " + ", ".join(f"{n} {tuple(t.shape)} {t.dtype}" for n, t in dict(
             q=q, k=k, v=v, sinks=sinks, position_ids=position_ids, layout=layout).items() if t is not None) + ")"
-        raise ValueError(f"q, k, v differ between the ranks or do not fit together ([B, L, Hq, D, Hkv, dtype, "
+        raise ValueError(f"the inputs differ between the ranks or do not fit together ([B, L, Hq, D, Hkv, dtype, "
                          f"position_ids?, layout?] by rank: {shown}){this}; want q [B, L, Hq, D], k and v [B, L, Hkv, "
-                         f"D] of one dtype, Hq a multiple of Hkv, sinks [Hq], position_ids and layout [B, L] (under "
-                         f"USP, gathered over the Ulysses group), alike on every rank")
+                         f"D] of one dtype, Hq a multiple of Hkv, sinks [Hq], position_ids [B, L] (under USP, gathered "
+                         f"over the Ulysses group), token indices [B, L] only with them, alike on every rank")
 
 
 def gather_ring(x, group):

@@ -342,7 +342,8 @@ def _options_rank(rank, R):
                                 (ring.token_index("contiguous", 0, R, 8)[None], ones),  # the same on every rank
                                 ("zigzag", None if rank == 1 else ones),  # position ids on ranks 0 and 2 only
                                 (mine[:, :7] if rank == 1 else mine, ones),  # rank 1: indices of 7 tokens for 8
-                                (mine, ones.int() if rank == 1 else ones)):  # int32 position ids on rank 1: fine
+                                (mine, ones.int() if rank == 1 else ones),  # int32 position ids on rank 1: fine
+                                (mine.int() if rank == 1 else mine, ones)):  # int32 token indices on rank 1: fine
         try:
             ring.ring_attention(q, kv, kv, dist.group.WORLD, index, position_ids=position_ids)
         except ValueError as e:
@@ -375,8 +376,9 @@ def test_ring_options_lse_and_mismatched_ranks():
                 full[:, index] = part
         assert_all_close(got, want, 1e-12, 1e-12, where=f"case {i}")
     want = ("; want q [B, L, Hq, D], k and v [B, L, Hkv, D] of one dtype, Hq a multiple of Hkv, sinks [Hq], "
-            "position_ids and layout [B, L] (under USP, gathered over the Ulysses group), alike on every rank")
-    by_rank = ("q, k, v differ between the ranks or do not fit together ([B, L, Hq, D, Hkv, dtype, position_ids?, "
+            "position_ids [B, L] (under USP, gathered over the Ulysses group), token indices [B, L] only with them, "
+            "alike on every rank")
+    by_rank = ("the inputs differ between the ranks or do not fit together ([B, L, Hq, D, Hkv, dtype, position_ids?, "
                "layout?] by rank: ")
     fp32, fp64 = "torch.float32", "torch.float64"
     for rank, (_, errors) in enumerate(per_rank):
