@@ -50,8 +50,8 @@ class GPTConfig(DeltaNetConfig):  # Gated DeltaNet's settings, from deltanet.py,
     def __post_init__(self):
         if self.n_embd % self.n_head or (self.n_embd // self.n_head) % 2:
             heads = ", ".join(str(n) for n in range(1, self.n_embd // 2 + 1) if self.n_embd % (2 * n) == 0)
-            raise ValueError(f"n_embd={self.n_embd} must split into n_head={self.n_head} heads of even size; choose "
-                             f"n_head in {{{heads}}}")
+            raise ValueError(f"n_embd={self.n_embd} must split into n_head={self.n_head} heads of even size; " +
+                             (f"choose n_head in {{{heads}}}" if heads else "no n_head does for an odd n_embd"))
         head_layout(self.n_head, self.n_kv_head, 1)  # a ValueError unless n_kv_head divides n_head
         self.resolve_deltanet(self.n_head, self.n_embd // self.n_head)
         self.intermediate_size = self.intermediate_size or 4 * self.n_embd
@@ -63,7 +63,7 @@ class GPTConfig(DeltaNetConfig):  # Gated DeltaNet's settings, from deltanet.py,
                              f"d (Gated DeltaNet), e.g. 'ddda'")
         if len(self.layer_pattern) > self.n_layer:  # letters past n_layer would build no layer
             raise ValueError(f"layer_pattern={self.layer_pattern!r} has more letters than n_layer={self.n_layer}; "
-                             f"choose n_layer >= {len(self.layer_pattern)}, or at most {self.n_layer} letters")
+                             f"choose n_layer >= {len(self.layer_pattern)}, or a pattern no longer than {self.n_layer}")
 
 
 # Real models' shapes, by name (train.py --model NAME; flags beside it change them). Llama-3-8B: 32 layers of 4,096,

@@ -129,8 +129,8 @@ def test_checkpoints_that_cannot_be_used_are_refused(tmp_path, one_rank, monkeyp
     train.main(SHORT_RUN + ["--out-dir", str(out_dir)])
     with pytest.raises(SystemExit, match=r"already holds checkpoints; add --resume to continue from step_000006"):
         train.main(SHORT_RUN + ["--out-dir", str(out_dir)])  # never overwritten by accident
-    with pytest.raises(SystemExit, match=r"checkpoint \S+step_000006 holds another model \(--n-embd 32 there, 64 here, "
-                                         r".*\); resume with its flags, or choose another --out-dir$"):
+    with pytest.raises(SystemExit, match=r"checkpoint \S+step_000006 holds another model \(--n-embd: 32 there, 64 "
+                                         r"here; .*\); resume with its flags, or choose another --out-dir$"):
         train.main(SHORT_RUN + ["--out-dir", str(out_dir), "--resume", "--n-embd", "64"])
     assert [r["step"] for r in train.main(SHORT_RUN + ["--out-dir", str(out_dir), "--resume", "--steps", "7",
                                                        "--new-schedule"])] == [7]

@@ -66,8 +66,10 @@ from harness import bench, launch
     (1, ["--offload"], r"--offload keeps the block inputs that --recompute saves in CPU memory; add --recompute"),
     (1, ["--layer-pattern", "adx"], r"layer_pattern='adx': use the letters a \(softmax attention\) and d"),
     (4, ["--layer-pattern", "ad", "--n-layer", "1", "--ring", "2"], r"layer_pattern='ad' has more letters than "
-                                                                    r"n_layer=1; choose n_layer >= 2, or at most 1 "
-                                                                    r"letters"),
+                                                                    r"n_layer=1; choose n_layer >= 2, or a pattern "
+                                                                    r"no longer than 1"),
+    (1, ["--n-embd", "33", "--n-head", "3"], r"n_embd=33 must split into n_head=3 heads of even size; no n_head does "
+                                             r"for an odd n_embd$"),
     (1, ["--n-embd", "96", "--n-head", "5"], r"n_embd=96 must split into n_head=5 heads of even size; choose n_head "
                                              r"in \{1, 2, 3, 4, 6, 8, 12, 16, 24, 48\}$"),
     (1, ["--lr", "nan"], r"--lr nan must be a finite number above 0"),

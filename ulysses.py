@@ -294,7 +294,7 @@ def check_shards(x, group=None):
     shapes = _every_rank([*x.shape[:2]] if x.dim() >= 2 else [-1, -1], x.device, group)  # -1: not [B, S_local, ...]
     if len(set(shapes)) > 1:
         raise ValueError(f"the ranks of the SP group hold [batch, tokens] shards of different shapes, {shapes} by "
-                         f"rank; each must hold S/P tokens of the same batch (shard_for_sp pads S to a multiple of P)")
+                         f"rank (-1: no batch dimension); each must hold S/P tokens of the same batch (shard_for_sp)")
 
 
 def _every_rank(numbers, device, group):

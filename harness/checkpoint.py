@@ -363,7 +363,7 @@ def find(args, world_size, control, lr_at, data_sha256):
     if trainer["step"] > args.steps:
         fail(f"checkpoint {path} is past --steps {args.steps}: it has done {trainer['step']} steps")
     if {**run["model"], **trainer["model"]} != run["model"]:  # a field the checkpoint lacks: as resolved
-        differ = ", ".join(f"--{name.replace('_', '-')} {value} there, {run['model'].get(name)} here"
+        differ = "; ".join(f"--{name.replace('_', '-')}: {value} there, {run['model'].get(name)} here"
                            for name, value in trainer["model"].items() if run["model"].get(name) != value)
         fail(f"checkpoint {path} holds another model ({differ}); resume with its flags, or choose another --out-dir")
     if trainer["schedule"] != run["schedule"] and not args.new_schedule:

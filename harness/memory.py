@@ -181,7 +181,7 @@ def trace(args, world_size, build, cuda, rank=None):
     memory the meta device, counted apart."""
     from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
     # packed --data: its own documents, whose lengths set attention's memory; unpacked text is S tokens of one
-    # document at any S, the copy task's memory (plan checks that --seq-len's fit the file)
+    # document at any S, the copy task's memory (plan checks that the file holds the run's own sequences)
     documents = read_data(args) if args.pack else None
     rank = traced_ranks(args, world_size)[0] if rank is None else rank
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
