@@ -18,6 +18,7 @@ Labels are shifted here, before any sharding: labels[i] is token i+1 of the same
 not known (a document's last token; the first n-1 tokens of a copy document of n random ones, whose next is random).
 """
 
+import hashlib
 import itertools
 
 import torch
@@ -36,9 +37,11 @@ def copy_document(n, length, g):
 class Documents(list):
     """Byte strings as token tensors, one per document, that are views of one tensor holding them all back to back
     (`stream`); `bounds` [documents + 1] holds where each starts in it and, last, its length. A packed sample
-    finds its documents there by binary search, without a pass over all of them."""
+    finds its documents there by binary search, without a pass over all of them. sha256: of the bytes they were
+    read from (the ranks compare it, and a checkpoint keeps it)."""
 
-    def __init__(self, parts):
+    def __init__(self, parts, sha256):
+        self.sha256 = sha256
         lengths = [len(p) for p in parts]
         self.stream = torch.frombuffer(bytearray(b"".join(parts)), dtype=torch.uint8).long()
         super().__init__(self.stream.split(lengths))
@@ -67,7 +70,7 @@ def read_documents(path, pack, seq_len):
                          "documents with blank lines, or drop --pack")
     if not pack and len(raw) < seq_len + 1:
         raise ValueError(f"has {len(raw)} bytes; sequences of {seq_len} tokens need {seq_len + 1} (or packing)")
-    return Documents(parts)
+    return Documents(parts, hashlib.sha256(raw).hexdigest())
 
 
 def make_sample(index, seq_len, documents=None, pack=False, seed=0):

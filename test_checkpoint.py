@@ -19,7 +19,8 @@ import torch.distributed as dist
 import train
 from conftest import (PARAGRAPHS, SHORT_RUN, assert_all_close, assert_same_training, exit_statuses, run_ranks,
                       torchrun_patched, train_rank)
-from harness import checkpoint
+from data import describe, read_documents
+from harness import checkpoint, launch
 
 
 RESUME_ARGS = ["--steps", "8", "--save-every", "4", "--n-layer", "2", "--n-embd", "32", "--seq-len", "32"]
@@ -143,9 +144,18 @@ def test_checkpoints_that_cannot_be_used_are_refused(tmp_path, one_rank, monkeyp
     # torchrun restarting a run (--max-restarts) resumes by itself, but only from its own checkpoints
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "another-run")
-    with pytest.raises(SystemExit, match=r"already holds checkpoints of another run; add --resume to continue from "
+    with pytest.raises(SystemExit, match=r"holds checkpoints of another run \(None; this run is another-run\), which a "
+                                         r"restarted run does not take; start again with --resume to continue from "
                                          r"step_000007"):
         train.main(SHORT_RUN + ["--out-dir", str(out_dir), "--steps", "7"])
+    # under a static rendezvous (torchrun --master-addr, no --rdzv-id) every run's id is "none": a restart takes
+    # its own checkpoints all the same (its first start refused any that were there)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    train.main(SHORT_RUN + ["--out-dir", str(tmp_path / "static")])
+    shutil.rmtree(tmp_path / "static" / "step_000006")  # as if killed in step 6
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    assert [r["step"] for r in train.main(SHORT_RUN + ["--out-dir", str(tmp_path / "static")])] == [4, 5, 6]
     monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT")
     (out_dir / "step_000009").mkdir()  # a copy cut short, or a checkpoint of an older train.py
     with pytest.raises(SystemExit, match=r"holds step_000009 without a manifest.json \(from an older train.py, or a "
@@ -185,7 +195,7 @@ def test_a_changed_schedule_is_refused_on_resume(tmp_path, one_rank, changed, ch
 def test_a_resume_notes_data_of_other_bytes(tmp_path, one_rank, capsys, text_file):
     """A checkpoint knows its --data by its bytes (SHA-256), not by its path: resuming on a copy of the file under
     another name says nothing, and resuming on the same path after its bytes changed notes that the steps will not
-    repeat the original run's."""
+    repeat the original run's. A resumed run's opening counts what its own steps read (3 of 6)."""
     out_dir, copy = tmp_path / "run", tmp_path / "copy.txt"
     train.main(SHORT_RUN + ["--out-dir", str(out_dir), "--data", str(text_file)])
     shutil.copy(text_file, copy)
@@ -196,7 +206,10 @@ def test_a_resume_notes_data_of_other_bytes(tmp_path, one_rank, capsys, text_fil
         shutil.rmtree(out_dir / "step_000006")
         capsys.readouterr()
         train.main(SHORT_RUN + ["--out-dir", str(out_dir), "--data", str(data), "--resume"])
-        notes.append(re.findall(r"^note: the checkpoint was trained with .*$", capsys.readouterr().out, re.M))
+        printed = capsys.readouterr().out
+        notes.append(re.findall(r"^note: the checkpoint was trained with .*$", printed, re.M))
+        steps_3_to_6 = 3 * launch.parse_args([]).batch_size  # sequences
+        assert f"\ndata {data}: {describe(read_documents(data, False, 32), False, 32, steps_3_to_6)}\n" in printed
     assert notes[0] == [], notes
     assert len(notes[1]) == 1 and re.fullmatch(r"note: the checkpoint was trained with \{.*'data': 'SHA-256 "
                                                r"[0-9a-f]{16}'.*\}; this run has \{.*'data': 'SHA-256 [0-9a-f]{16}'"

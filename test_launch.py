@@ -6,12 +6,14 @@ Then two torchrun "nodes" on this machine: a run that fails on one fails on both
 """
 
 import fcntl
+import hashlib
 import io
 import os
 import re
 import shutil
 import signal
 import sys
+import threading
 import time
 
 import pytest
@@ -138,6 +140,19 @@ def failed_alike(output, status):
     return sorted(statuses) == [0, 1] and status in statuses.values() and set(statuses.values()) <= {status, -15}
 
 
+@pytest.mark.limit(30)
+def test_data_is_read_once_and_hashed_as_read(tmp_path, one_rank):
+    """--data from a named pipe, whose bytes can be read once: the run reads them once, and the SHA-256 that the
+    ranks compare (and a checkpoint keeps) is of the bytes it trains on."""
+    pipe = tmp_path / "text.fifo"
+    os.mkfifo(pipe)
+    writer = threading.Thread(target=pipe.write_text, args=(PARAGRAPHS,))
+    writer.start()
+    documents, digest = launch.this_machine(launch.parse_args(["--data", str(pipe), "--pack"]))
+    writer.join()
+    assert len(documents) > 1 and digest == hashlib.sha256(PARAGRAPHS.encode()).hexdigest()
+
+
 def test_torchrun_shows_the_error_line_once():
     """Under torchrun every rank finds the mistake; its line is printed once, before torchrun's own report, and
     every rank exits 1 (`failed_alike`)."""
@@ -241,34 +256,36 @@ def test_a_file_missing_on_one_node_fails_both_nodes(tmp_path):
 
 
 def test_an_out_dir_in_use_on_one_node_fails_both_nodes(tmp_path):
-    """Another run holds node 0's out-dir: rank 0 says so, and node 1, whose rank found nothing, fails too."""
+    """Another run holds node 0's out-dir: rank 0 says so, and node 1's rank, which found nothing, repeats it in node
+    1's log; both nodes fail."""
     (tmp_path / "node0" / "run").mkdir(parents=True)
     with open(tmp_path / "node0" / "run" / ".lock", "w") as held:
         fcntl.flock(held, fcntl.LOCK_EX)
         nodes, seconds = _two_nodes(tmp_path, ["--out-dir", "run", "--steps", "2"])
-    (status0, output0), (status1, _) = nodes
-    assert status0 != 0 and status1 != 0 and seconds < 30, output0[-3000:]
-    assert output0.count("train.py: error: rank 0: --out-dir run is in use by another run") == 1, output0[-3000:]
+    for status, output in nodes:
+        assert status != 0 and output.count("train.py: error: rank 0: --out-dir run is in use by another run") == 1, \
+            output[-3000:]
+    assert seconds < 30
 
 
-@pytest.mark.parametrize("node1", ["none", "older"])
-def test_checkpoints_that_one_node_lacks_fail_both_nodes(tmp_path, one_rank, node1):
-    """Checkpoints of steps 1 and 2 in node 0's out-dir, none or only the older one in node 1's (a directory the
-    nodes do not share): with --resume, one line on both nodes, never a traceback from a rank left in a collective
-    by the other's refusal."""
-    train.main(["--n-embd", "32", "--seq-len", "32", "--steps", "2", "--save-every", "1", "--out-dir",
-                str(tmp_path / "node0" / "run")])
+@pytest.mark.parametrize("node1", ["fresh", "older"])
+def test_an_out_dir_the_nodes_do_not_share_fails_both_nodes(tmp_path, one_rank, node1):
+    """--out-dir a directory of each node's own: a fresh run fails before its first step (not at its first save),
+    and a resume from checkpoints of steps 1 and 2 in node 0's, only the older one in node 1's, fails alike. One
+    line on both nodes, never a traceback from a rank left in a collective by the other's refusal."""
+    argv = ["--out-dir", "run", "--steps", "3"]
     if node1 == "older":
+        train.main(["--n-embd", "32", "--seq-len", "32", "--steps", "2", "--save-every", "1", "--out-dir",
+                    str(tmp_path / "node0" / "run")])
         shutil.copytree(tmp_path / "node0" / "run" / "step_000001", tmp_path / "node1" / "run" / "step_000001")
-    nodes, seconds = _two_nodes(tmp_path, ["--out-dir", "run", "--steps", "3", "--resume"])
-    line = {"none": "train.py: error: rank 1: --resume: no complete checkpoint in --out-dir run",
-            "older": "train.py: error: the ranks see other checkpoints in --out-dir run: ['step_000002', "
-                     "'step_000001'] on rank 0, ['step_000001'] on rank 1; --out-dir must be one directory that "
-                     "every rank sees, on a file system the nodes share"}[node1]
-    for status, output in nodes[:1] if node1 == "older" else nodes:  # a mistake every rank finds: rank 0 says it
-        assert status != 0 and output.count(line) == 1, output[-3000:]
+        argv.append("--resume")
+    nodes, seconds = _two_nodes(tmp_path, argv)
+    line = ("train.py: error: --out-dir run is not one directory that every rank sees: rank 1 does not find rank 0's "
+            "lock file in it; choose a directory on a file system the nodes share")
     ours = re.compile(rf'File "{re.escape(HERE)}/(harness/)?\w+\.py"')  # a traceback through this project's files
-    assert all(status != 0 and not ours.search(output) for status, output in nodes) and seconds < 30, nodes
+    for status, output in nodes:
+        assert status != 0 and output.count(line) == 1 and not ours.search(output), output[-3000:]
+    assert seconds < 30
 
 
 def test_a_flag_mistake_fails_both_nodes(tmp_path):
@@ -296,6 +313,30 @@ def test_a_node_killed_mid_run_is_named_by_the_other(tmp_path):
     assert re.search(r"train.py: error: rank 0, step \d+: .* failed \(a peer process died, or waited longer than "
                      r"--timeout 20 s\); lost: rank 1 \(node 1\)", output0), output0[-3000:]
     assert seconds < 20 + 30
+
+
+def test_a_node_killed_while_starting_is_named_by_the_other(tmp_path):
+    """Node 1's process is killed while it reads its --data (a named pipe nobody writes: a stalled disk), as node
+    0's waits to compare what each found: node 0's rank names rank 1 (node 1) as lost, in one line."""
+    for node in (0, 1):
+        (tmp_path / f"node{node}").mkdir()
+    (tmp_path / "node0" / "text.txt").write_text(PARAGRAPHS)
+    os.mkfifo(tmp_path / "node1" / "text.txt")
+
+    def kill_node_1_as_node_0_waits(launchers):
+        deadline = time.time() + 60
+        while not (tmp_path / "node0" / "run").exists() and time.time() < deadline:
+            time.sleep(0.1)  # rank 0 makes its --out-dir after reading --data, then waits for rank 1
+        time.sleep(1)
+        os.kill(children(launchers[1].pid)[0], signal.SIGKILL)
+
+    nodes, _ = _two_nodes(tmp_path, ["--data", "text.txt", "--out-dir", "run", "--timeout", "20"],
+                          kill_node_1_as_node_0_waits)
+    (status0, output0), (status1, _) = nodes
+    assert status0 != 0 and status1 != 0, output0[-3000:]
+    assert re.search(r"train.py: error: rank 0: \w+ failed \(a peer process died, or waited longer than --timeout 20 "
+                     r"s\); lost: rank 1 \(node 1\)", output0), output0[-3000:]
+    assert not re.search(rf'File "{re.escape(HERE)}/(harness/)?\w+\.py"', output0), output0[-3000:]
 
 
 @pytest.mark.parametrize("node_argv, what", [((["--seq-len", "32"], ["--seq-len", "64"]), r"--seq-len: rank 0 has 32, "

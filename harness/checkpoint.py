@@ -41,7 +41,7 @@ from functools import partial
 import torch
 from tqdm import tqdm
 
-from harness.launch import Mistake, agreed, fail, gathered, model_flags, repeating, sha256, stop_on
+from harness.launch import Mistake, agreed, fail, gathered, model_flags, repeating, stop_on
 
 MANIFEST = "manifest.json"
 
@@ -335,11 +335,6 @@ def find(args, world_size, control, lr_at, data_sha256):
     (step_000020.damaged), and the next older one is tried. lr_at(step, args): the run's learning rate, to say
     what a changed schedule would do. data_sha256: of --data's bytes, None for the copy task."""
     paths = agreed(control, partial(to_resume_from, args))  # each rank reads the directory: a mistake stops all
-    every = gathered(control, [os.path.basename(path) for path in paths])
-    other = next((r for r, theirs in enumerate(every) if theirs != every[0]), None)
-    if other is not None:
-        fail(f"the ranks see other checkpoints in --out-dir {args.out_dir}: {every[0]} on rank 0, {every[other]} on "
-             f"rank {other}; --out-dir must be one directory that every rank sees, on a file system the nodes share")
     if not paths:
         return None
     rank, t0 = int(os.environ.get("RANK", 0)), time.perf_counter()
@@ -356,9 +351,11 @@ def find(args, world_size, control, lr_at, data_sha256):
         os.replace(damaged, damaged + ".damaged")
     trainer = torch.load(os.path.join(path, "trainer.pt"), map_location="cpu", weights_only=True)
     run = run_flags(args, world_size, data_sha256)
-    run_id = os.environ.get("TORCHELASTIC_RUN_ID")  # "none" unless torchrun has --rdzv-id (--standalone makes one)
-    if not args.resume and (trainer["run"] != run_id or run_id in (None, "none")):  # another run's, or unknown
-        fail(f"--out-dir {args.out_dir} already holds checkpoints of another run; add --resume to continue from "
+    # torchrun's --rdzv-id ("none" without one, as under --master-addr; a first start refused every checkpoint)
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+    if not args.resume and trainer["run"] != run_id:  # a restarted group takes its own run's checkpoints alone
+        fail(f"--out-dir {args.out_dir} holds checkpoints of another run ({trainer['run']}; this run is {run_id}), "
+             f"which a restarted run does not take; start again with --resume to continue from "
              f"{os.path.basename(path)}, or choose another directory")
     if trainer["step"] > args.steps:
         fail(f"checkpoint {path} is past --steps {args.steps}: it has done {trainer['step']} steps")
@@ -399,6 +396,14 @@ def verify(path, rank, world_size):
         except OSError as e:  # a disk error reads as damage: the next older checkpoint is tried
             return f"{name} is unreadable ({e.strerror or e})"
     return None
+
+
+def sha256(path):
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(2**24):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def restore(checkpoint, model, zero, optimizer):
@@ -462,10 +467,16 @@ class Metrics:
 
 @contextmanager
 def out_dir(args, run, lr_at):
-    """--out-dir held by this run alone while the block runs (rank 0 locks it: `lock_out_dir`), and the checkpoint
-    the run continues from (`find`), or None to start afresh. run: launch.started's."""
+    """--out-dir held by this run alone while the block runs (rank 0 locks it: `lock_out_dir`; every rank must see
+    that lock, in one directory), and the checkpoint the run continues from (`find`), or None to start afresh.
+    run: launch.started's."""
     lock = agreed(run.control, lambda: lock_out_dir(args.out_dir) if run.rank == 0 and args.out_dir else None)
     try:
+        seen = gathered(run.control, args.out_dir and read_lock(args.out_dir))  # each rank reads rank 0's lock
+        other = next((r for r, line in enumerate(seen) if line != seen[0]), None)
+        if other is not None:
+            fail(f"--out-dir {args.out_dir} is not one directory that every rank sees: rank {other} does not find "
+                 f"rank 0's lock file in it; choose a directory on a file system the nodes share")
         yield find(args, run.world_size, run.control, lr_at, run.data_sha256)
     finally:
         if lock:
@@ -494,7 +505,17 @@ def lock_out_dir(out_dir):
     lock.truncate(0)
     lock.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
     lock.flush()
+    os.fsync(lock.fileno())  # on the disk, for the other nodes to read (read_lock)
     for name in os.listdir(out_dir):
         if name.startswith("step_") and name.endswith((".tmp", ".deleting")):
             shutil.rmtree(os.path.join(out_dir, name), ignore_errors=True)
     return lock
+
+
+def read_lock(out_dir):
+    """What out_dir's lock file says (who holds it), or None without one."""
+    try:
+        with open(os.path.join(out_dir, ".lock")) as f:
+            return f.read()
+    except OSError:
+        return None

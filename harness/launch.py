@@ -14,7 +14,7 @@ hanging, and a copy that exits 0 from a failed run tells its node's launcher tha
      instead of training wrong;
   3. what one rank may find alone (its data file, its disk) is agreed in one small all-gather
      (`agreed`): if any rank found a problem, every rank exits 1. The rank that found it prints its line, naming
-     itself; rank 0 prints it too when it runs on another node, so each node's log says why its run failed;
+     itself; the first rank of every other node prints it too, so each node's log says why its run failed;
   4. a collective that fails (a peer died, or waited past --timeout) ends its rank with one line naming the
      collective and the ranks whose beat stopped (`collective_failure`), not a traceback;
   5. SIGINT (Ctrl-C) or SIGTERM ends a rank at once with one line (`one_line_errors`).
@@ -28,7 +28,6 @@ step writes (`StepProgress`), so that no run sits silent.
 
 import argparse
 import datetime
-import hashlib
 import math
 import os
 import signal
@@ -184,7 +183,8 @@ def parse_args(argv=None):
                    "compute in (default: bfloat16 on CUDA and for --plan, else float32); parameters, AdamW state, "
                    "gradient sums and checkpoints stay float32")
     p.add_argument("--compile", action="store_true", help="compile each block with torch.compile (inductor), the "
-                   "all-to-alls traced through; the first step of each new shape compiles")
+                   "all-to-alls traced through; --tiles' MLP and packed documents' attention without a ring run "
+                   "eagerly between its graphs; the first step of each new shape compiles")
     p.add_argument("--out-dir", help="write checkpoints here (at the end, and every --save-every steps)")
     p.add_argument("--save-every", type=int, default=0, help="also write a checkpoint every N steps (0: at the end "
                    "only)")
@@ -348,7 +348,8 @@ def process_groups(args, world_size):
     """The device, the process group (with a timeout, so a dead peer ends the run), the dp x ring x ulysses mesh,
     and the gloo control group over every rank, whose waits have no --timeout deadline (how long a rank takes to
     check its files depends on its storage; a dead peer is ended by torchrun). While the block runs, every rank
-    beats (`pulse`). At its end the groups are destroyed, those this run made."""
+    beats (`pulse`), and a collective that fails ends its rank with one line (`collective_failure`). At its end
+    the groups are destroyed, those this run made."""
     if args.device == "cuda":
         device = torch.device("cuda", local_gpu(args)[0])
         torch.cuda.set_device(device)
@@ -375,15 +376,18 @@ def process_groups(args, world_size):
                      f"line of a rank that stopped ({str(e).splitlines()[0]})", alike=False)
         else:  # plain `python train.py`: a group of one
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    # the flags shape every collective to come, so the ranks compare them first (paths may differ by machine)
+    flags = {**{f"--{name.replace('_', '-')}": value for name, value in vars(args).items()
+                if name not in ("data", "metrics", "out_dir")}, "whether --out-dir is given": args.out_dir is not None}
     control, mesh = dist.new_group(backend="gloo", timeout=datetime.timedelta(days=1)), None
     try:
-        # the flags shape every collective to come, so the ranks compare them first (paths may differ by machine)
-        same_everywhere(control, {**{f"--{name.replace('_', '-')}": value for name, value in vars(args).items()
-                                     if name not in ("data", "metrics", "out_dir")},
-                                  "whether --out-dir is given": args.out_dir is not None})
-        mesh = device_mesh(args, world_size, device.type)
         with pulse(dist.get_rank()):
-            yield device, mesh, control
+            try:
+                same_everywhere(control, flags)
+                mesh = device_mesh(args, world_size, device.type)
+                yield device, mesh, control
+            except RuntimeError as e:  # outside the steps (report.Log names a step's failure)
+                raise collective_failure(e, dist.get_rank(), args.timeout) from None
     finally:
         dist.destroy_process_group(control)
         if owns_process_group:
@@ -437,13 +441,13 @@ def lost_ranks(world_size, wait=3.0):
 
 def this_machine(args):
     """What a rank checks on its own machine: --data, read (its documents, None for the copy task, and the SHA-256
-    of its bytes), and the folders that --metrics (rank 0 writes it) and --out-dir write into."""
+    of the bytes read), and the folders that --metrics (rank 0 writes it) and --out-dir write into."""
     documents = read_data(args)
     if int(os.environ.get("RANK", 0)) == 0 and args.metrics:
         check_metrics(args.metrics)
     if args.out_dir is not None:
         make_folder("--out-dir", args.out_dir)
-    return documents, args.data and sha256(args.data)
+    return documents, None if documents is None else documents.sha256
 
 
 def read_data(args):
@@ -471,14 +475,6 @@ def make_folder(flag, folder):
         fail(f"{flag}: cannot write into {folder}")
 
 
-def sha256(path):
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(2**24):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def gathered(control, value):
     """Every rank's value, in rank order, on every rank (one small all-gather)."""
     values = [None] * dist.get_world_size(control)
@@ -498,15 +494,15 @@ def agreed(control, work):
 
 def stop_on(problems, rank):
     """problems: one line or None per rank, the same list on every rank. If there is one, every rank exits 1.
-    The first rank with one prints it, naming itself unless every rank found the same; rank 0 prints it too when
-    it runs on another node, so that every node's log says why its run failed. (torchrun numbers the ranks node by
-    node, LOCAL_WORLD_SIZE a node.)"""
+    The first rank with one prints it, naming itself unless every rank found the same; so does the first rank of
+    every other node, so that each node's log says why its run failed. (torchrun numbers the ranks node by node,
+    LOCAL_WORLD_SIZE a node.)"""
     if any(problems):
         first = next(r for r, p in enumerate(problems) if p)
         if all(p == problems[first] for p in problems):
-            fail(problems[first])  # alike: rank 0 says it
-        other_node = first // int(os.environ.get("LOCAL_WORLD_SIZE", 1)) > 0
-        if rank == first or (rank == 0 and other_node):
+            fail(problems[first])  # alike: each node's first rank says it
+        node = lambda r: r // int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+        if rank == first or (int(os.environ.get("LOCAL_RANK", 0)) == 0 and node(rank) != node(first)):
             raise SystemExit(f"train.py: error: rank {first}: {problems[first]}")
         leave_quietly(1)
 
@@ -528,9 +524,9 @@ def same_everywhere(control, values):
 # 4. a collective that fails
 
 
-def collective_failure(error, rank, step, timeout):
-    """A collective that failed (a peer died, or waited past --timeout) as one line naming it and the ranks that
-    are lost, those whose pulse stopped; other errors as they are."""
+def collective_failure(error, rank, timeout, step=None):
+    """A collective that failed (a peer died, or waited past --timeout) as one line naming it, the step it was in
+    (if any) and the ranks that are lost, those whose pulse stopped; other errors as they are."""
     frames = traceback.extract_tb(error.__traceback__)
     names = [f.name for f in frames if f.filename.endswith("distributed_c10d.py")]
     message = str(error).lower()
@@ -545,7 +541,8 @@ def collective_failure(error, rank, step, timeout):
         lost = "which peer is lost cannot be told: the store that the ranks beat in is gone too"
     else:
         lost = "lost: " + (", ".join(f"rank {r} (node {r // per_node})" for r in lost) or "none silent now")
-    return SystemExit(f"train.py: error: rank {rank}, step {step + 1}: {collective} failed (a peer process died, or "
+    where = "" if step is None else f", step {step + 1}"
+    return SystemExit(f"train.py: error: rank {rank}{where}: {collective} failed (a peer process died, or "
                       f"waited longer than --timeout {timeout:g} s); {lost}: {str(error).splitlines()[0]}")
 
 

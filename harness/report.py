@@ -33,7 +33,7 @@ class Log:
         self.metrics = launch.agreed(run.control, lambda: checkpoint.Metrics(args.metrics, start_step)
                                      if run.rank == 0 and args.metrics else None)
         if run.rank == 0:
-            opening(args, run, n_params, traced)
+            opening(args, run, n_params, start_step, traced)
         self.peak = memory.PeakMemory(model, optimizer, zero, run.device, host=args.offload or args.offload_optimizer)
         for reset in (ulysses.reset_all_to_all_stats, ring.reset_ring_stats, deltanet.reset_context_stats):
             reset()  # the summary counts the bytes of this run's steps
@@ -49,7 +49,7 @@ class Log:
         if self.metrics:
             self.metrics.close()
         if isinstance(error, RuntimeError):
-            raise launch.collective_failure(error, self.run.rank, self.step, self.args.timeout) from None
+            raise launch.collective_failure(error, self.run.rank, self.args.timeout, self.step) from None
 
     @contextmanager
     def measuring(self, step):
@@ -84,7 +84,7 @@ class Log:
             summary(self.args, self.history, self.model, self.optimizer, self.n_params, self.run, self.traced)
 
 
-def opening(args, run, n_params, traced):
+def opening(args, run, n_params, start_step, traced):
     dp = run.world_size // args.sp
     usp = f" (ulysses {args.sp // args.ring} x ring {args.ring})" if args.ring > 1 else ""
     peak = f" | traced peak {traced['device'] / 2**20:,.2f} MiB per rank" if traced else ""  # CUDA runs are traced
@@ -92,7 +92,7 @@ def opening(args, run, n_params, traced):
           f"| seq {args.seq_len} | global batch {dp * args.batch_size * args.grad_accum} sequences | {run.device} | "
           f"{args.dtype}{peak}")
     if run.documents is not None:
-        samples = args.steps * dp * args.batch_size * args.grad_accum
+        samples = (args.steps - start_step) * dp * args.batch_size * args.grad_accum  # this run's steps
         print(f"data {args.data}: {data.describe(run.documents, args.pack, args.seq_len, samples)}")
 
 
