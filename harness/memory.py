@@ -120,6 +120,8 @@ class StorageBytes(TorchDispatchMode):
                 out = custom._init_fn(*args, **(kwargs or {}))
         else:
             out = func(*args, **(kwargs or {}))
+        if func is torch.ops.aten.split.Tensor and args[0].untyped_storage() not in self.sizes:
+            return out  # gloo's reduce-scatter splits a copy of its input that no op showed (NCCL makes none)
         for t in pytree.tree_leaves(out):
             if isinstance(t, torch.Tensor) and (t.device.type != "meta" or self.host == "meta"):  # a trace's host
                 self._see(t)
@@ -291,7 +293,7 @@ def longest(peak, S, memory, tolerance, least=1):
     A peak grows about linearly with S: each next S is where the line through the last two traces meets `memory`
     (doubled or halved until there are two), inside what is known and a third of the tolerance past the side unseen."""
     lo, hi, seen = 0, math.inf, []  # lo fits (0: none yet), hi does not
-    while hi - lo > 1 and hi > max(lo, least) * (1 + tolerance):
+    while hi - lo > 1 and (hi > lo * (1 + tolerance) if lo else hi > least):  # none fits yet: try down to least
         seen.append((S, peak(S)))
         lo, hi = (S, hi) if seen[-1][1] <= memory else (lo, S)
         (a, pa), (b, pb) = seen[-2:] if len(seen) > 1 and seen[-1][1] != seen[-2][1] else ((0, 0), (0, 0))
