@@ -185,6 +185,22 @@ def test_attention_kernels_match_the_dense_formula():
         documents.document_attention(q, k, v, position_ids[:, :8])  # a rank's own half, not the gathered whole
 
 
+def test_packed_attention_compiles_once_for_any_documents():
+    """Under torch.compile, document_attention runs eagerly between graphs (its loop follows the data's documents):
+    rows of 2, 3 and 4 documents compile nothing new, and the result is eager's."""
+    q, k, v, _ = qkv(2, 16, 4, 2, 8)
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("eager")
+    compiled = torch.compile(lambda *inputs: 2 * documents.document_attention(*inputs), backend=counter)
+    frames = []
+    for length in (8, 6, 4):  # documents of `length` tokens: 2, 3 and 4 a row
+        position_ids = (torch.arange(16) % length).expand(2, 16)  # (B, S)
+        torch.testing.assert_close(compiled(q, k, v, position_ids), 2 * documents.document_attention(q, k, v,
+                                                                                                      position_ids))
+        frames.append(counter.frame_count)
+    assert frames[0] > 0 and frames == frames[:1] * 3, frames
+
+
 def _unequal_shards_rank(rank, world_size):
     model, messages = GPT(GPTConfig(n_layer=1, n_embd=32), sp_group=dist.group.WORLD), []
     for idx in (torch.zeros(2, 3 + rank, dtype=torch.long),  # rank 0: 3 tokens, rank 1: 4

@@ -24,7 +24,8 @@ Backward takes each tile's parameter gradient with torch.autograd.grad (which wr
 T of them in at least float32, and returns the sum in the parameter's dtype. So autograd accumulates each parameter's
 gradient ONCE per backward, as without tiling, and a post-accumulate-grad hook (where a ZeRO-3 sharder
 reduce-scatters the gradient) fires once, not T times. (A hook added with register_hook, by contrast, also sees
-every tile's partial gradient.)
+every tile's partial gradient.) torch.compile cannot trace torch.autograd.grad inside a backward, so it breaks its
+graph here: the tiles run eagerly.
 
 Every rank must run the same number of tiles: fn may run collectives (were fn a module a sharder hooks, it would
 gather once per tile, in forward and again in backward), and a rank that makes one call fewer hangs the group. The
