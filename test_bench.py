@@ -1,7 +1,8 @@
 """
 Tests of the benchmarks' baselines against one device: what `python -m harness.bench attention` times against
 ulysses_attention computes the same attention and sends the bytes of its formula; the copies it counts. What
-`python -m harness.bench balance` reports: per-document balance of a packed mix against zigzag's.
+`python -m harness.bench balance` reports: per-document balance of a packed mix against zigzag's. The arguments
+each benchmark refuses, in one line.
 """
 
 import argparse
@@ -17,7 +18,7 @@ from harness import bench
 from harness.bench import CopiedBytes
 
 
-BASELINE = dict(S=24, Hq=8, Hkv=4, D=8)  # (c) needs P to divide both head counts
+BASELINE = dict(S=24, Hq=8, Hkv=4, D=8)  # (c) needs P to divide both head counts; P = 4: one kv head a rank
 
 
 def _baselines_rank(rank, world_size):
@@ -27,11 +28,11 @@ def _baselines_rank(rank, world_size):
             q, k, v, grad_out = (sp_slice(t, rank, world_size) for t in qkv(B, *BASELINE.values()))
             q, k, v = (t.requires_grad_() for t in (q, k, v))
             bench.sent_stats["bytes"] = 0
-            with CopiedBytes() as copied:
+            with CopiedBytes() as copied:  # as the bench takes gradients: .backward() copies strided ones into .grad
                 out = baseline(q, k, v, dist.group.WORLD)
-                out.backward(grad_out)
+                grads = torch.autograd.grad(out, (q, k, v), grad_out)
             sent = bench.sent_stats["bytes"]
-            results.append(((out.detach(), q.grad, k.grad, v.grad), sent, copied.bytes))
+            results.append(((out.detach(), *grads), sent, copied.bytes))
     return results
 
 
@@ -39,7 +40,8 @@ def _baselines_rank(rank, world_size):
 def test_benchmark_baselines_match_one_device(world_size):
     """What python -m harness.bench attention times against ulysses_attention computes the same attention: (c) q, k
     and v in three all-to-alls with DeepSpeed's copies and (d) all-gathered k and v, output and dq, dk, dv against
-    one device, B = 1 and 2, each sending the bytes of its formula."""
+    one device, B = 1 and 2, each sending the bytes of its formula and copying the bytes DeepSpeed copies, at P = 4
+    with one kv head a rank too."""
     per_rank = run_ranks(world_size, _baselines_rank)
     P, (S, Hq, Hkv, D) = world_size, BASELINE.values()
     for i, (B, name) in enumerate((B, name) for B in (1, 2) for name in ("(c)", "(d)")):
@@ -50,7 +52,8 @@ def test_benchmark_baselines_match_one_device(world_size):
                    "(d)": 4 * Hkv * head * (P - 1)}[name]  # k and v to every other rank, their gradients back
         assert [r[i][1] for r in per_rank] == [formula] * P, f"{name} B={B}"
         # (c), as DeepSpeed: each of q, k, v and out, and of their gradients, copied into the send buffer, and the
-        # pieces received joined by one more copy unless B = 1. (d): with B = 1 the gathered tokens land in order
+        # pieces received joined by one more copy, even of one head; at B = 1 one of the two is free, the pieces of
+        # the sequence lying in order already. (d): with B = 1 the gathered tokens land in order
         # (gloo's own copies are not counted); with B = 2 each row's tokens are put in order, of k, v and their
         # gradients
         copies = {"(c)": (1 + (B > 1)) * 2 * (2 * Hq + 2 * Hkv) * head, "(d)": (B - 1) * 4 * Hkv * head * P}[name]
@@ -120,3 +123,52 @@ def test_document_layout_balances_a_long_document():
         assert max(zigzag) / (sum(zigzag) / R) > 1.6, (R, zigzag)
     with pytest.raises(ValueError, match=r"^document_layout: 4095 tokens per row do not split over a ring of 2; pad "):
         documents.document_layout(positions[:, 1:], 2)  # no room for the last token: it looped forever
+
+
+BAD_ARGUMENTS = {  # python -m harness.bench ARGV: the one line of its refusal
+    "ring --ranks 0": "argument --ranks: 0: must be at least 1",
+    "balance --reps -1": "argument --reps: -1: must be at least 1",
+    "balance --share 1.0": "--share 1.0: must be above 0 and below 1 (short documents fill the rest)",
+    "compile --steps 1": "argument --steps: 1: must be at least 2",
+    "attention --heads 0": "argument --heads: 0: must be at least 1",
+    "attention --seq-len 4098": "--seq-len 4098: must be a multiple of every P in --sp, 4 too (a rank holds S/P "
+                                "tokens)",
+    "attention --heads 6 --sp 2": "--heads 6 and --kv-heads 6: the weak-scaling rows run on 2 and 4 ranks, so 4 "
+                                  "must divide both; or --weak-seq-len 0 for none",
+    "deltanet --seq-lens 1026": "--seq-lens 1026: each must be a multiple of 4 (the layer runs on P = 2 and 4)",
+    "deltanet --heads 3": "--heads 3: choose an even count of 4 or more (H/2 key heads, each for 2 value heads, over "
+                          "up to 4 ranks)"}
+
+
+@pytest.fixture
+def measured(monkeypatch):
+    """The args each benchmark of bench.main is handed, instead of its measurement."""
+    handed = []
+    for name in ("attention", "tiled", "deltanet", "memory_", "plans", "compile_", "ring_", "balance", "gpu"):
+        monkeypatch.setattr(bench, name, handed.append)
+    return handed
+
+
+@pytest.mark.parametrize("argv, error", BAD_ARGUMENTS.items(), ids=list(BAD_ARGUMENTS))
+def test_bad_arguments_are_refused_in_one_line(capsys, measured, argv, error):
+    """A count below its least, a sequence that does not split over the ranks, heads a layer cannot take: refused
+    before anything runs, exit 2, one line naming the value (not a traceback, nor a table of zeros)."""
+    with pytest.raises(SystemExit, match="^2$"):
+        bench.main(argv.split())
+    assert capsys.readouterr().err.splitlines()[-1].split(" error: ", 1)[1] == error
+    assert not measured
+
+
+def test_the_weak_scaling_sizes_bind_only_with_weak_scaling(measured):
+    """attention's weak-scaling rows run on 2 and 4 ranks; without them (--weak-seq-len 0) 6 heads on --sp 2 run."""
+    bench.main("attention --heads 6 --sp 2 --weak-seq-len 0".split())
+    assert [(args.heads, args.kv_heads, args.sp) for args in measured] == [(6, 6, [2])]
+
+
+def test_the_deltanet_layer_takes_the_heads_its_check_accepts():
+    """python -m harness.bench deltanet --heads 6, which its check accepts: the layer under SP (3 key heads, 6 value
+    heads) runs both ways on 4 ranks, each sending bytes; attention's head settings, unused by it, stand aside."""
+    args = argparse.Namespace(heads=6, head_dim=4, seq_lens=[16], reps=1)
+    for results in run_ranks(4, bench._deltanet_ways_rank, args):
+        assert sorted(results) == [("context", 16), ("ulysses", 16)]
+        assert all(sent > 0 for _, sent, _ in results.values()), results

@@ -147,9 +147,10 @@ def three_all_to_alls(q, k, v, group, attn_fn=ulysses.causal_attention):
 
 class _DeepSpeedAllToAll(torch.autograd.Function):
     """The all-to-all of one tensor as DeepSpeed's DistributedAttention makes it: x cut into P equal pieces along
-    scatter_dim, piece j sent to rank j, the pieces received joined along gather_dim, rank i's at place i. One
-    copy before the collective and one after it (none after when B = 1). Backward: the same exchange, the two
-    dimensions swapped."""
+    scatter_dim, piece j sent to rank j, the pieces received joined along gather_dim, rank i's at place i. Two
+    copies: the pieces into one send buffer, and the pieces received into one tensor. With B = 1 one is free: the
+    pieces of the sequence lie in order already, whether sent (no copy before) or received (none after).
+    Backward: the same exchange, the two dimensions swapped."""
 
     @staticmethod
     def forward(ctx, x, group, scatter_dim, gather_dim):
@@ -170,7 +171,7 @@ def _deepspeed_exchange(x, group, scatter_dim, gather_dim):
     dist.all_to_all_single(received, send, group=group)
     sent_stats["bytes"] += send.nbytes // P * (P - 1)  # row `rank` stays here
     joined = received.movedim(0, gather_dim)  # (P, B, S/P, H/P, D) -> (B, P, S/P, H/P, D)
-    return joined.flatten(gather_dim, gather_dim + 1)  # -> (B, S, H/P, D), the second copy unless B = 1
+    return joined.contiguous().flatten(gather_dim, gather_dim + 1)  # -> (B, S, H/P, D), the second copy (B = 1: none)
 
 
 class _GatherSequence(torch.autograd.Function):
@@ -455,8 +456,9 @@ def attention(args):
               f"{'per byte fwd':>12} {'per byte bwd':>12} {'peak MiB':>9}")
         for name, (sent_fwd, sent_bwd, copied_fwd, copied_bwd, peak) in counts.items():
             per_byte = [f"{c / s:.2f}" if s else "" for c, s in ((copied_fwd, sent_fwd), (copied_bwd, sent_bwd))]
+            peak_mib = f"{peak / 2**20:.1f}" if args.memory else ""  # --no-memory: not measured
             print(f"{'':10}{name:<22} {sent_fwd:>12,} {sent_bwd:>12,} {copied_fwd:>12,} {copied_bwd:>12,} "
-                  f"{per_byte[0]:>12} {per_byte[1]:>12} {peak / 2**20:9.1f}", flush=True)
+                  f"{per_byte[0]:>12} {per_byte[1]:>12} {peak_mib:>9}", flush=True)
     if args.weak_seq_len:
         weak_scaling(args, measured)
     if args.plot:
@@ -595,8 +597,8 @@ def deltanet(args):
 def _deltanet_ways_rank(rank, P, args):
     """{(way, S): (median seconds, bytes this rank sent, peak bytes)}: one Gated DeltaNet layer, forward and
     backward, on this rank's S/P tokens, each way, every S."""
-    cfg = dict(n_head=args.heads, n_embd=args.heads * args.head_dim, gdn_k_heads=args.heads // 2,
-               gdn_v_heads=args.heads)  # Qwen3-Next's ratio: a key head for every two value heads
+    cfg = dict(n_head=args.heads, n_kv_head=args.heads, n_embd=args.heads * args.head_dim,  # n_kv_head: unused
+               gdn_k_heads=args.heads // 2, gdn_v_heads=args.heads)  # Qwen3-Next's: a key head for two value heads
     layers = {}
     for way in ("ulysses", "context"):
         torch.manual_seed(0)
@@ -645,8 +647,10 @@ def train_run(P, argv):
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={P}",
                    os.path.join(ROOT, "train.py"), *argv, "--metrics", metrics]
         done = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-        if done.returncode:
-            raise SystemExit(f"harness.bench: train.py {' '.join(argv)} failed on {P} ranks:\n{done.stderr[-2000:]}")
+        if done.returncode:  # train.py's own error line, else the end of what torchrun reports
+            errors = [line for line in done.stderr.splitlines() if "train.py: error:" in line]
+            why = "\n".join(dict.fromkeys(errors)) or done.stderr[-2000:]  # each line once, though every rank says it
+            raise SystemExit(f"harness.bench: train.py {' '.join(argv)} failed on {P} ranks:\n{why}")
         with open(metrics) as f:
             return [json.loads(line) for line in f]
 
@@ -703,9 +707,9 @@ def plans(args):
         with measuring(f"{gpus} GPUs: train.py --plan, its trace and its search"):
             plan = train_run(1, alst_flags(gpus, gib, ALST[gpus]))[0]  # --plan --metrics: one line, the plan's
         rows.append((gpus, plan["longest"]))
-        print(f"{gpus:>3} GPUs: ALST {ALST[gpus]:>10,} | traced {plan['longest']:>10,} ({time.perf_counter() - start:.0f} "
-              f"s) | at {ALST[gpus]:,}: {plan['peak_bytes'] / 2**30:.1f} GPU, {plan['host_peak_bytes'] / 2**30:.1f} CPU",
-              flush=True)
+        print(f"{gpus:>3} GPUs: ALST {ALST[gpus]:>10,} | traced {plan['longest']:>10,} "
+              f"({time.perf_counter() - start:.0f} s) | at {ALST[gpus]:,}: {plan['peak_bytes'] / 2**30:.1f} GPU, "
+              f"{plan['host_peak_bytes'] / 2**30:.1f} CPU", flush=True)
     if args.figure:
         draw_plans(rows, gib, args.figure)
 
@@ -991,8 +995,8 @@ def gpu(args):
 def profile_step(S, milliseconds):
     """One training step of README's 0.7B model (16 layers, n_embd 2048, 16 query and 4 kv heads, vocab 256) at S
     tokens, bf16, each block compiled as train.py --compile does, under torch.profiler: its time, and the kernels that
-    take it, by GPU time. FLOPs as train.py's summary counts them (6 x parameters + 12 x layers x S x n_embd a token,
-    attention in full), and with the causal half of attention's."""
+    take it, by GPU time. FLOPs as BENCHMARKS.md's throughput table counts them (6 x parameters + 12 x layers x S x
+    n_embd a token, attention in full), and with the causal half of attention's."""
     from torch.profiler import ProfilerActivity, profile
     cfg = gpt.GPTConfig(n_layer=16, n_embd=2048, n_head=16, n_kv_head=4)
     model = gpt.GPT(cfg).cuda()
@@ -1033,20 +1037,31 @@ def profile_step(S, milliseconds):
               f"{e.key[:100]}", flush=True)
 
 
+def at_least(least):
+    """argparse's type of a count flag: an int not below `least`, else one line naming the value."""
+    def count(text):
+        if int(text) < least:  # not an int at all: argparse's "invalid count value"
+            raise argparse.ArgumentTypeError(f"{text}: must be at least {least}")
+        return int(text)
+    return count
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=_HelpFormatter, allow_abbrev=False)
     subparsers = parser.add_subparsers(dest="command", required=True)
     command = lambda name, help: subparsers.add_parser(name, help=help, formatter_class=_HelpFormatter,
                                                        allow_abbrev=False)
     p = command("attention", "one Ulysses attention layer against its alternatives")
-    p.add_argument("--seq-len", type=int, default=4096, help="tokens per sequence for the main table")
-    p.add_argument("--weak-seq-len", type=int, default=1024, help="tokens per rank in the weak-scaling rows (0: none)")
-    p.add_argument("--sp", type=int, nargs="+", default=[2, 4], help="SP sizes of the main table")
-    p.add_argument("--heads", type=int, default=8, help="query heads")
-    p.add_argument("--kv-heads", type=int, default=0, help="key/value heads; 0: as many as --heads")
-    p.add_argument("--head-dim", type=int, default=64, help="dimensions per head")
-    p.add_argument("--batch-size", type=int, default=1, help="sequences")
-    p.add_argument("--reps", type=int, default=25, help="timed repetitions (after one warm-up)")
+    p.add_argument("--seq-len", type=at_least(1), default=4096, help="tokens per sequence for the main table")
+    p.add_argument("--weak-seq-len", type=at_least(0), default=1024, help="tokens per rank in the weak-scaling rows "
+                   "(0: none)")
+    p.add_argument("--sp", type=at_least(2), nargs="+", default=[2, 4], help="SP sizes of the main table")
+    p.add_argument("--heads", type=at_least(1), default=8, help="query heads")
+    p.add_argument("--kv-heads", type=at_least(0), default=0, help="key/value heads; 0: as many as --heads")
+    p.add_argument("--head-dim", type=at_least(1), default=64, help="dimensions per head")
+    p.add_argument("--batch-size", type=at_least(1), default=1, help="sequences")
+    p.add_argument("--reps", type=at_least(2), default=25, help="timed repetitions (after one warm-up; 2 at least: "
+                   "the table gives the quartiles of the overhead)")
     p.add_argument("--memory", action=argparse.BooleanOptionalAction, default=True, help="measure peak memory")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="of every tensor but RoPE's "
                    "tables")
@@ -1059,65 +1074,86 @@ def main(argv=None):
     p.add_argument("--check-cost", action="store_true", help="instead: ulysses_attention with its input check "
                    "(one all-gather a call) against without it")
     p = command("tiled", "memory of the MLP and the loss, tiled and not")
-    p.add_argument("--seq-len", type=int, default=16384, help="tokens")
-    p.add_argument("--hidden", type=int, default=128, help="hidden size h (the MLP's is 4h)")
-    p.add_argument("--vocab", type=int, default=2048, help="vocabulary of the loss")
+    p.add_argument("--seq-len", type=at_least(1), default=16384, help="tokens")
+    p.add_argument("--hidden", type=at_least(1), default=128, help="hidden size h (the MLP's is 4h)")
+    p.add_argument("--vocab", type=at_least(1), default=2048, help="vocabulary of the loss")
     p = command("deltanet", "the gated delta rule, chunked against the recurrence; "
                             "the layer under SP, Ulysses against context")
-    p.add_argument("--seq-len", type=int, default=4096, help="tokens")
-    p.add_argument("--heads", type=int, default=4, help="heads")
-    p.add_argument("--head-dim", type=int, default=64, help="dimensions per head")
-    p.add_argument("--reps", type=int, default=3, help="timed repetitions")
-    p.add_argument("--seq-lens", type=int, nargs="+", default=[1024, 4096, 16384], help="the layer under SP: "
+    p.add_argument("--seq-len", type=at_least(1), default=4096, help="tokens")
+    p.add_argument("--heads", type=at_least(1), default=4, help="heads")
+    p.add_argument("--head-dim", type=at_least(1), default=64, help="dimensions per head")
+    p.add_argument("--reps", type=at_least(1), default=3, help="timed repetitions")
+    p.add_argument("--seq-lens", type=at_least(1), nargs="+", default=[1024, 4096, 16384], help="the layer under SP: "
                    "sequence lengths, one row each (P = 2 and 4)")
     p = command("memory", "train.py's measured peak memory per rank, and what measuring costs")
-    p.add_argument("--seq-lens", type=int, nargs="+", default=[1024, 4096], help="sequence lengths, one row each")
-    p.add_argument("--sp", type=int, nargs="+", default=[1, 2, 4], help="SP sizes, one column each")
+    p.add_argument("--seq-lens", type=at_least(1), nargs="+", default=[1024, 4096], help="sequence lengths, one row "
+                   "each")
+    p.add_argument("--sp", type=at_least(1), nargs="+", default=[1, 2, 4], help="SP sizes, one column each")
     p.add_argument("--flags", nargs=argparse.REMAINDER, default=[], help="more train.py flags, last on the line, "
                    "e.g. --flags --layer-pattern ddda")
-    p.add_argument("--depths", type=int, nargs="*", default=[2, 50, 200], help="layer counts of a tiny model whose "
-                   "measured step is timed against an ordinary one (none: skip)")
+    p.add_argument("--depths", type=at_least(1), nargs="*", default=[2, 50, 200], help="layer counts of a tiny model "
+                   "whose measured step is timed against an ordinary one (none: skip)")
     p = command("plans", "ALST's table: Llama-3-8B's longest sequence on 1, 8 and 32 GPUs, by the traced step")
     p.add_argument("--gpus", type=int, nargs="+", default=[1, 8, 32], choices=sorted(ALST), help="GPU counts, a row "
                    "each")
-    p.add_argument("--gib", type=int, default=80, help="memory of a GPU")
+    p.add_argument("--gib", type=at_least(1), default=80, help="memory of a GPU")
     p.add_argument("--figure", default="figures/plans.png", help="the picture's file (matplotlib; none: '')")
     p = command("compile", "train.py eager against --compile: compile time and step time")
-    p.add_argument("--sp", type=int, nargs="+", default=[2, 4], help="ranks (all sequence-parallel), one row pair each")
-    p.add_argument("--steps", type=int, default=30, help="steps of each run")
-    p.add_argument("--runs", type=int, default=2, help="runs of each mode")
+    p.add_argument("--sp", type=at_least(1), nargs="+", default=[2, 4], help="ranks (all sequence-parallel), one row "
+                   "pair each")
+    p.add_argument("--steps", type=at_least(2), default=30, help="steps of each run (2 at least: the first compiles)")
+    p.add_argument("--runs", type=at_least(1), default=2, help="runs of each mode")
     p.add_argument("--flags", nargs=argparse.REMAINDER, default=[], help="more train.py flags, last on the line")
     p = command("ring", "Ulysses, ring and Ulysses x Ring on the same ranks; work per rank")
-    p.add_argument("--seq-len", type=int, default=4096, help="tokens per sequence")
-    p.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4], help="numbers of ranks P, one block of rows each")
-    p.add_argument("--heads", type=int, default=8, help="query heads (= key/value heads)")
-    p.add_argument("--head-dim", type=int, default=64, help="dimensions per head")
-    p.add_argument("--batch-size", type=int, default=1, help="sequences")
-    p.add_argument("--reps", type=int, default=5, help="timed repetitions (after one warm-up)")
+    p.add_argument("--seq-len", type=at_least(1), default=4096, help="tokens per sequence")
+    p.add_argument("--ranks", type=at_least(1), nargs="+", default=[1, 2, 4], help="numbers of ranks P, one block of "
+                   "rows each")
+    p.add_argument("--heads", type=at_least(1), default=8, help="query heads (= key/value heads)")
+    p.add_argument("--head-dim", type=at_least(1), default=64, help="dimensions per head")
+    p.add_argument("--batch-size", type=at_least(1), default=1, help="sequences")
+    p.add_argument("--reps", type=at_least(1), default=5, help="timed repetitions (after one warm-up)")
     p = command("balance", "packed documents under a ring: work per rank and step time, zigzag against per document")
-    p.add_argument("--seq-len", type=int, default=4096, help="tokens of the packed row")
-    p.add_argument("--share", type=float, default=0.6, help="the long document's share of the tokens")
-    p.add_argument("--ranks", type=int, nargs="+", default=[2, 4], help="ring sizes R, one pair of rows each")
-    p.add_argument("--heads", type=int, default=8, help="query heads (= key/value heads)")
-    p.add_argument("--head-dim", type=int, default=64, help="dimensions per head")
-    p.add_argument("--reps", type=int, default=5, help="timed repetitions (after one warm-up)")
+    p.add_argument("--seq-len", type=at_least(1), default=4096, help="tokens of the packed row")
+    p.add_argument("--share", type=float, default=0.6, help="the long document's share of the tokens, above 0, "
+                   "below 1")
+    p.add_argument("--ranks", type=at_least(1), nargs="+", default=[2, 4], help="ring sizes R, one pair of rows each")
+    p.add_argument("--heads", type=at_least(1), default=8, help="query heads (= key/value heads)")
+    p.add_argument("--head-dim", type=at_least(1), default=64, help="dimensions per head")
+    p.add_argument("--reps", type=at_least(1), default=5, help="timed repetitions (after one warm-up)")
     p.add_argument("--picture", help="also draw each rank's work into this image file (matplotlib)")
     p = command("gpu", "on a CUDA GPU: the attention kernels and the gated delta rule beside their fast peers")
-    p.add_argument("--seq-lens", type=int, nargs="+", default=[8192, 32768], help="tokens, one row each")
-    p.add_argument("--reps", type=int, default=5, help="timed repetitions (after one warm-up)")
-    p.add_argument("--profile", type=int, metavar="S", help="also one training step of a 0.7B model at S tokens, "
-                   "compiled, under torch.profiler: its MFU and the kernels that take its time")
+    p.add_argument("--seq-lens", type=at_least(1), nargs="+", default=[8192, 32768], help="tokens, one row each")
+    p.add_argument("--reps", type=at_least(1), default=5, help="timed repetitions (after one warm-up)")
+    p.add_argument("--profile", type=at_least(1), metavar="S", help="also one training step of a 0.7B model at S "
+                   "tokens, compiled, under torch.profiler: its MFU and the kernels that take its time")
     args = parser.parse_args(argv)
     if args.command in ("ring", "balance") and any(args.seq_len % (2 * P) for P in args.ranks):
         parser.error(f"--seq-len {args.seq_len}: must be a multiple of 2 x every P in --ranks (the zigzag chunks)")
+    if args.command == "balance" and not 0 < args.share < 1:
+        parser.error(f"--share {args.share}: must be above 0 and below 1 (short documents fill the rest)")
     if args.command == "attention":
         args.kv_heads = args.kv_heads or args.heads
-        if args.reps < 2:
-            parser.error(f"--reps {args.reps}: must be at least 2 (the table gives the quartiles of the overhead)")
-        for P in sorted(set(args.sp) | {2, 4}):  # (c) splits evenly; the weak-scaling rows run on 2 and 4 ranks
-            if P < 2 or args.heads % P or args.kv_heads % P:
-                parser.error(f"--sp {P}: each SP size must be at least 2 and divide --heads {args.heads} and "
-                             f"--kv-heads {args.kv_heads} (the weak-scaling rows use 2 and 4 as well)")
+        if args.heads % args.kv_heads:
+            parser.error(f"--kv-heads {args.kv_heads}: must divide --heads {args.heads} (0: as many as --heads)")
+        for P in args.sp:
+            if args.heads % P or args.kv_heads % P:
+                parser.error(f"--sp {P}: must divide --heads {args.heads} and --kv-heads {args.kv_heads} ((c) splits "
+                             f"the heads evenly)")
+            if args.seq_len % P:
+                parser.error(f"--seq-len {args.seq_len}: must be a multiple of every P in --sp, {P} too (a rank "
+                             f"holds S/P tokens)")
+        if args.weak_seq_len and not args.check_cost and (args.heads % 4 or args.kv_heads % 4):
+            parser.error(f"--heads {args.heads} and --kv-heads {args.kv_heads}: the weak-scaling rows run on 2 and 4 "
+                         f"ranks, so 4 must divide both; or --weak-seq-len 0 for none")
+    if args.command == "deltanet":  # the layer runs on 2 and 4 ranks
+        if any(S % 4 for S in args.seq_lens):
+            parser.error(f"--seq-lens {' '.join(map(str, args.seq_lens))}: each must be a multiple of 4 (the layer "
+                         f"runs on P = 2 and 4)")
+        if args.heads % 2 or args.heads < 4:
+            parser.error(f"--heads {args.heads}: choose an even count of 4 or more (H/2 key heads, each for 2 value "
+                         f"heads, over up to 4 ranks)")
+        if args.head_dim % 2:
+            parser.error(f"--head-dim {args.head_dim}: must be even (the layer's GPTConfig takes heads of even size)")
     measure = {"attention": attention, "tiled": tiled, "deltanet": deltanet, "memory": memory_, "plans": plans,
                "compile": compile_, "ring": ring_, "balance": balance, "gpu": gpu}
     measure[args.command](args)
