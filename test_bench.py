@@ -125,6 +125,19 @@ def test_document_layout_balances_a_long_document():
         documents.document_layout(positions[:, 1:], 2)  # no room for the last token: it looped forever
 
 
+def test_document_layout_balances_short_documents():
+    """A row of short documents only (20 to 119 tokens, none long enough to be cut): dealt whole, each to the ring
+    rank with the least work so far, they even out within 1.01x of the mean at R = 2 and 4."""
+    g, lengths = torch.Generator().manual_seed(0), []
+    while sum(lengths) < 4096:
+        lengths.append(int(torch.randint(20, 120, (1,), generator=g)))
+    lengths[-1] -= sum(lengths) - 4096
+    positions = torch.cat([torch.arange(n) for n in lengths])[None]  # (1, 4096)
+    for R in (2, 4):
+        work = documents.document_work(positions, documents.document_layout(positions, R))
+        assert max(work) / (sum(work) / R) <= 1.01, (R, work)
+
+
 BAD_ARGUMENTS = {  # python -m harness.bench ARGV: the one line of its refusal
     "ring --ranks 0": "argument --ranks: 0: must be at least 1",
     "balance --reps -1": "argument --reps: -1: must be at least 1",

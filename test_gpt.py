@@ -17,7 +17,7 @@ import ring
 import ulysses
 from conftest import (DOC_LENGTHS, assert_all_close, grads, packed_batch, run_ranks, summed, usp_groups, whole_sequence,
                       zero_batch)
-from gpt import GPT, GPTConfig, rope_cos_sin
+from gpt import GPT, GPTConfig, apply_rope, rope_cos_sin
 
 
 GPT_CASES = [(16, 4, 4), (13, 4, 2), (13, 4, 1)]  # (seq_len, n_head, n_kv_head); 13 is not divisible by 2, 3, 4
@@ -191,6 +191,38 @@ def test_rope_turns_by_the_exact_angle_at_long_positions():
     for got, want in ((cos, angles.cos()), (sin, angles.sin())):
         torch.testing.assert_close(got[:, :, 0], torch.cat([want, want], -1).float(), rtol=0, atol=1e-7)
     assert not torch.equal(cos[0, 2], cos[0, 3])
+
+
+def test_rope_is_llamas_rotation_and_sees_only_relative_positions():
+    """apply_rope turns each pair (x_i, x_{i+D/2}) as Llama's rotate_half does: x = e_0 at position 1, whose pair has
+    frequency 1, turns by one radian toward e_2. Rotating q and k alike, a model's logits depend only on how far
+    apart tokens are: positions 0..7 and 100..107 give the same."""
+    x = torch.zeros(1, 1, 1, 4, dtype=torch.float64)  # (B, S, H, D)
+    x[..., 0] = 1.0
+    cos, sin = rope_cos_sin(torch.tensor([[1]]), 4, 10000.0)  # (1, 1, 1, 4) each
+    one = torch.tensor(1.0, dtype=torch.float64)
+    torch.testing.assert_close(apply_rope(x, cos, sin)[0, 0, 0], torch.stack([one.cos(), 0 * one, one.sin(), 0 * one]),
+                               rtol=0, atol=1e-7)
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=1, n_head=2, n_kv_head=2, n_embd=16, vocab_size=32))
+    idx = torch.randint(0, 32, (2, 8))  # (B, S)
+    near, far = (model(idx, torch.arange(start, start + 8).expand(2, 8)) for start in (0, 100))  # (B, S, vocab) each
+    torch.testing.assert_close(near, far, rtol=0, atol=1e-5)
+
+
+def test_the_window_is_the_last_window_tokens():
+    """GPTConfig(window=w): token i sees tokens i-w+1 .. i. A window of S tokens is no window; with a window of 1
+    the last token's logits ignore every other token, with 2 they see the one before."""
+    idx = torch.randint(0, 32, (1, 6), generator=torch.Generator().manual_seed(0))  # (B, S)
+    other = torch.cat([(idx[:, :5] + 1) % 32, idx[:, 5:]], dim=1)  # the first 5 tokens changed
+
+    def logits(window, idx):
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(n_layer=1, n_head=2, n_kv_head=2, n_embd=16, vocab_size=32, window=window))
+        return model(idx, torch.arange(6)[None]).detach()  # (1, 6, vocab)
+    torch.testing.assert_close(logits(6, idx), logits(0, idx), rtol=0, atol=0)
+    assert torch.equal(logits(1, idx)[:, 5], logits(1, other)[:, 5])
+    assert not torch.equal(logits(2, idx)[:, 5], logits(2, other)[:, 5])
 
 
 def test_gpt_tiled_and_recomputed_equals_plain():

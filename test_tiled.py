@@ -95,6 +95,16 @@ def test_tiles_recompute_under_the_forward_autocast():
         torch.testing.assert_close(got, want, rtol=0, atol=2e-2 * want.abs().max().item())
 
 
+def test_tiles_sum_a_bf16_parameter_gradient_in_float32():
+    """A bf16 weight's gradient, summed over tiles in float32 and rounded once: its 9 tiles give 1 and eight times
+    2^-9, which bf16 (8 bits of mantissa) would round back to 1 at every step of its own sum."""
+    x = torch.full((1, 9, 1), 2.0**-9)  # (B, S, h)
+    x[0, 0] = 1.0
+    w = torch.ones(1, dtype=torch.bfloat16, requires_grad=True)
+    tiled.tiled_mlp(lambda t, w: t * w, x, [w], 9).sum().backward()
+    assert w.grad.item() == 1 + 2**-6  # 1 + 8 * 2^-9, exact in bf16
+
+
 def test_tiles_keep_float64():
     """A float64 layer stays float64 tiled: the parameter gradients summed over tiles, and the loss, are never
     rounded to float32 on the way (half precision is widened to float32, nothing is ever narrowed)."""

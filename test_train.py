@@ -65,6 +65,22 @@ def test_training_is_the_same_for_every_layout(extra, tmp_path):
                          where=name)
 
 
+def test_the_optimizer_steps_on_clipped_gradients(one_rank):
+    """--grad-clip 0.2: AdamW receives gradients of global norm 0.2, while the norm logged is the one before clipping
+    (larger); the learning rate warms up linearly, lr / warmup at the first step."""
+    norms = []  # of the gradients each optimizer step receives
+    hook = register_optimizer_step_pre_hook(lambda optimizer, args, kwargs: norms.append(torch.stack(
+        [p.grad.norm() for group in optimizer.param_groups for p in group["params"]]).norm().item()))
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            history = train.main(TRAIN_ARGS + ["--steps", "2", "--seq-len", "32", "--batch-size", "4"])
+    finally:
+        hook.remove()
+    assert all(r["grad_norm"] > 0.2 for r in history), history
+    assert norms == pytest.approx([0.2, 0.2], rel=1e-4)
+    assert [r["lr"] for r in history] == pytest.approx([1.5e-3, 3e-3])
+
+
 @pytest.mark.parametrize("kv, all_to_all", [("6", 163840), ("2", 139264)])
 def test_training_with_uneven_heads(kv, all_to_all):
     """6 heads on sp 4 (ranks hold 2, 2, 1, 1; with 2 kv heads, kv head 0 goes to ranks 0 and 1): the same

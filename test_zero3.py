@@ -26,14 +26,18 @@ def _zero3_rank(rank, world_size):
     model = GPT(ZERO_CFG)
     zero = zero3.ZeRO3(model, model.units(), group=dist.group.WORLD)
     assert list(model.parameters()) == []  # the model keeps no full parameter of its own
-    gathered = []  # after every gather: how many units hold their full parameters
-    for unit in zero.units:
-        def counting_gather(async_op=False, gather=unit.gather):
+    gathered, prefetched = [], []  # after every gather: how many units hold their full parameters; the prefetches
+    for i, unit in enumerate(zero.units):
+        def counting_gather(async_op=False, gather=unit.gather, i=i):
             gather(async_op)
             gathered.append(sum(u.full.untyped_storage().size() > 0 for u in zero.units))
+            prefetched.extend([i] * async_op)
         unit.gather = counting_gather
     rows = slice(rank * 8 // world_size, (rank + 1) * 8 // world_size)  # data parallel: my rows of the batch
-    model(idx[rows], position_ids[rows], labels[rows])[0].backward()
+    loss = model(idx[rows], position_ids[rows], labels[rows])[0]
+    assert prefetched == [1, 2, 3]  # forward: each next unit while this one computes (units: embedding, 2 blocks, head)
+    loss.backward()
+    assert prefetched == [1, 2, 3, 2, 1, 0]  # and backward, the one before
     assert max(gathered) == 2  # the unit computing and the one prefetched, never more
     for unit, reference_unit in zip(zero.units, reference.units()):
         params = list(reference_unit.parameters())
