@@ -296,47 +296,34 @@ def test_a_flag_mistake_fails_both_nodes(tmp_path):
     assert output0.count("train.py: error: --lr nan must be a finite number above 0") == 1, output0[-3000:]
 
 
-def test_a_node_killed_mid_run_is_named_by_the_other(tmp_path):
-    """Node 1's process is killed while the run trains: node 0's rank names rank 1 (node 1) as lost and fails,
-    within --timeout."""
-    def kill_node_1_once_training(launchers):
-        deadline = time.time() + 60
-        while not (tmp_path / "node0" / "m.jsonl").exists() and time.time() < deadline:
-            time.sleep(0.1)  # rank 0 opens its --metrics file when training starts
-        time.sleep(1)
-        os.kill(children(launchers[1].pid)[0], signal.SIGKILL)
-
-    nodes, seconds = _two_nodes(tmp_path, ["--steps", "100000", "--metrics", "m.jsonl", "--timeout", "20"],
-                                kill_node_1_once_training)
-    (status0, output0), (status1, _) = nodes
-    assert status0 != 0 and status1 != 0, output0[-3000:]
-    assert re.search(r"train.py: error: rank 0, step \d+: .* failed \(a peer process died, or waited longer than "
-                     r"--timeout 20 s\); lost: rank 1 \(node 1\)", output0), output0[-3000:]
-    assert seconds < 20 + 30
-
-
-def test_a_node_killed_while_starting_is_named_by_the_other(tmp_path):
-    """Node 1's process is killed while it reads its --data (a named pipe nobody writes: a stalled disk), as node
-    0's waits to compare what each found: node 0's rank names rank 1 (node 1) as lost, in one line."""
+@pytest.mark.parametrize("when", ["training", "starting"])
+def test_a_node_killed_is_named_by_the_other(tmp_path, when):
+    """Node 1's process is killed while the run trains, or while it starts (it reads its --data, a named pipe nobody
+    writes: a stalled disk, as node 0's waits to compare what each found): node 0's rank names rank 1 (node 1) as
+    lost in one line, and fails within --timeout."""
     for node in (0, 1):
         (tmp_path / f"node{node}").mkdir()
-    (tmp_path / "node0" / "text.txt").write_text(PARAGRAPHS)
-    os.mkfifo(tmp_path / "node1" / "text.txt")
+    if when == "training":  # rank 0 opens its --metrics file when training starts
+        argv, sign, where = ["--steps", "100000", "--metrics", "m.jsonl"], "m.jsonl", r", step \d+"
+    else:  # rank 0 makes its --out-dir after reading --data, then waits for rank 1
+        (tmp_path / "node0" / "text.txt").write_text(PARAGRAPHS)
+        os.mkfifo(tmp_path / "node1" / "text.txt")
+        argv, sign, where = ["--data", "text.txt", "--out-dir", "run"], "run", ""
 
-    def kill_node_1_as_node_0_waits(launchers):
+    def kill_node_1(launchers):
         deadline = time.time() + 60
-        while not (tmp_path / "node0" / "run").exists() and time.time() < deadline:
-            time.sleep(0.1)  # rank 0 makes its --out-dir after reading --data, then waits for rank 1
+        while not (tmp_path / "node0" / sign).exists() and time.time() < deadline:
+            time.sleep(0.1)
         time.sleep(1)
         os.kill(children(launchers[1].pid)[0], signal.SIGKILL)
 
-    nodes, _ = _two_nodes(tmp_path, ["--data", "text.txt", "--out-dir", "run", "--timeout", "20"],
-                          kill_node_1_as_node_0_waits)
+    nodes, seconds = _two_nodes(tmp_path, argv + ["--timeout", "20"], kill_node_1)
     (status0, output0), (status1, _) = nodes
     assert status0 != 0 and status1 != 0, output0[-3000:]
-    assert re.search(r"train.py: error: rank 0: \w+ failed \(a peer process died, or waited longer than --timeout 20 "
-                     r"s\); lost: rank 1 \(node 1\)", output0), output0[-3000:]
+    assert re.search(rf"train.py: error: rank 0{where}: .+ failed \(a peer process died, or waited longer than "
+                     r"--timeout 20 s\); lost: rank 1 \(node 1\)", output0), output0[-3000:]
     assert not re.search(rf'File "{re.escape(HERE)}/(harness/)?\w+\.py"', output0), output0[-3000:]
+    assert seconds < 20 + 30
 
 
 @pytest.mark.parametrize("node_argv, what", [((["--seq-len", "32"], ["--seq-len", "64"]), r"--seq-len: rank 0 has 32, "
