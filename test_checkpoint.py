@@ -136,8 +136,8 @@ def test_checkpoints_that_cannot_be_used_are_refused(tmp_path, one_rank, monkeyp
     assert [r["step"] for r in train.main(SHORT_RUN + ["--out-dir", str(out_dir), "--resume", "--steps", "7",
                                                        "--new-schedule"])] == [7]
     with checkpoint.lock_out_dir(str(out_dir)):  # another live run
-        with pytest.raises(SystemExit, match=r"--out-dir \S+ is in use by another run \(pid \d+ on \S+\); wait for it "
-                                             r"to end, or choose another directory"):
+        with pytest.raises(SystemExit, match=r"--out-dir \S+ is in use by another run \(pid \d+ on \S+, lock \w+\); "
+                                             r"wait for it to end, or choose another directory"):
             train.main(SHORT_RUN + ["--out-dir", str(out_dir), "--resume"])
     with pytest.raises(SystemExit, match=r"checkpoint \S+step_000007 is past --steps 6: it has done 7 steps$"):
         train.main(SHORT_RUN + ["--out-dir", str(out_dir), "--resume", "--new-schedule"])
@@ -148,15 +148,14 @@ def test_checkpoints_that_cannot_be_used_are_refused(tmp_path, one_rank, monkeyp
                                          r"restarted run does not take; start again with --resume to continue from "
                                          r"step_000007"):
         train.main(SHORT_RUN + ["--out-dir", str(out_dir), "--steps", "7"])
-    # under a static rendezvous (torchrun --master-addr, no --rdzv-id) every run's id is "none": a restart takes
-    # its own checkpoints all the same (its first start refused any that were there)
+    # under a static rendezvous (torchrun --master-addr, no --rdzv-id) every run's id is "none", and a restart could
+    # not tell its own checkpoints from another run's: refused before it starts
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")
-    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
-    train.main(SHORT_RUN + ["--out-dir", str(tmp_path / "static")])
-    shutil.rmtree(tmp_path / "static" / "step_000006")  # as if killed in step 6
-    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
-    assert [r["step"] for r in train.main(SHORT_RUN + ["--out-dir", str(tmp_path / "static")])] == [4, 5, 6]
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "1")
+    with pytest.raises(SystemExit, match=r"--out-dir with torchrun --max-restarts needs torchrun's --rdzv-id=NAME"):
+        train.main(SHORT_RUN + ["--out-dir", str(out_dir), "--steps", "7"])
     monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT")
+    monkeypatch.delenv("TORCHELASTIC_MAX_RESTARTS")
     (out_dir / "step_000009").mkdir()  # a copy cut short, or a checkpoint of an older train.py
     with pytest.raises(SystemExit, match=r"holds step_000009 without a manifest.json \(from an older train.py, or a "
                                          r"copy cut short\); move it out of the directory$"):
@@ -169,6 +168,19 @@ def test_checkpoints_that_cannot_be_used_are_refused(tmp_path, one_rank, monkeyp
     kept = tmp_path / "kept"  # --keep 2: the newest two of the six
     train.main(SHORT_RUN[:2] + ["--save-every", "1", "--keep", "2"] + SHORT_RUN[4:] + ["--out-dir", str(kept)])
     assert sorted(os.listdir(kept)) == [".lock", "step_000005", "step_000006"]
+
+
+def test_a_stale_view_of_the_out_dir_is_refused(tmp_path, one_rank):
+    """One --out-dir, but rank 1's view of it lags (a network file system's cached listing, say: the newest
+    checkpoint not there yet): with --resume, the ranks would load other steps. One line, every rank stops."""
+    model, out_dir = ["--n-embd", "32", "--seq-len", "32"], str(tmp_path / "run")
+    train.main(model + ["--steps", "2", "--save-every", "1", "--out-dir", out_dir])
+    stale = "listed = checkpoint.checkpoints\ncheckpoint.checkpoints = lambda *args, **kw: listed(*args, **kw)[1:]"
+    status, output, _ = torchrun_patched(tmp_path, stale, model + ["--steps", "3", "--resume", "--out-dir", out_dir])
+    assert status != 0 and output.count(f"train.py: error: the ranks see other checkpoints in --out-dir "
+                                        f"{tmp_path / 'run'}: ['step_000002', 'step_000001'] on rank 0, "
+                                        f"['step_000001'] on rank 1; start again once every node's view of it is up "
+                                        f"to date") == 1, output[-3000:]
 
 
 @pytest.mark.parametrize("changed, change, new_rate", [

@@ -103,7 +103,8 @@ def test_the_trace_equals_the_measured_peak(world_size):
     bytes against bytes counted by hand: a rank's key/value block is k and v of its Ulysses group's 2,048 tokens, of
     its 2 heads of 32 (1,048,576 bytes); each layer sends one block forward, and backward the block and 2 float32
     accumulators. gloo's reduce-scatter copies its input, which NCCL does not, and its thread lets go of the copy
-    a moment after the call, or later: the runs here hold it as long as it can be held, and the count leaves it out."""
+    a moment after the call, or later: ZeRO-3's reduce-scatters here hold it until the next, and the count leaves it
+    out."""
     runs = [["--seq-len", "1024", *flags, "--steps", "2", "--batch-size", "1"] for flags in FLAGS[world_size]]
     per_rank = run_ranks(world_size, train_rank_gloo_late, runs)
     for i, argv in enumerate(runs):

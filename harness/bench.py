@@ -597,8 +597,9 @@ def deltanet(args):
 def _deltanet_ways_rank(rank, P, args):
     """{(way, S): (median seconds, bytes this rank sent, peak bytes)}: one Gated DeltaNet layer, forward and
     backward, on this rank's S/P tokens, each way, every S."""
-    cfg = dict(n_head=args.heads, n_kv_head=args.heads, n_embd=args.heads * args.head_dim,  # n_kv_head: unused
-               gdn_k_heads=args.heads // 2, gdn_v_heads=args.heads)  # Qwen3-Next's: a key head for two value heads
+    cfg = dict(n_head=args.heads, n_kv_head=args.heads,  # unused by the layer, but GPTConfig checks it divides n_head
+               n_embd=args.heads * args.head_dim, gdn_k_heads=args.heads // 2,
+               gdn_v_heads=args.heads)  # Qwen3-Next's ratio: a key head for every two value heads
     layers = {}
     for way in ("ulysses", "context"):
         torch.manual_seed(0)

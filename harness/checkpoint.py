@@ -32,6 +32,7 @@ import fcntl
 import hashlib
 import json
 import os
+import secrets
 import shutil
 import socket
 import time
@@ -335,6 +336,11 @@ def find(args, world_size, control, lr_at, data_sha256):
     (step_000020.damaged), and the next older one is tried. lr_at(step, args): the run's learning rate, to say
     what a changed schedule would do. data_sha256: of --data's bytes, None for the copy task."""
     paths = agreed(control, partial(to_resume_from, args))  # each rank reads the directory: a mistake stops all
+    every = gathered(control, [os.path.basename(path) for path in paths])
+    other = next((r for r, theirs in enumerate(every) if theirs != every[0]), None)
+    if other is not None:  # one directory (out_dir checked it), but a node's view of it is stale
+        fail(f"the ranks see other checkpoints in --out-dir {args.out_dir}: {every[0]} on rank 0, {every[other]} on "
+             f"rank {other}; start again once every node's view of it is up to date")
     if not paths:
         return None
     rank, t0 = int(os.environ.get("RANK", 0)), time.perf_counter()
@@ -351,8 +357,7 @@ def find(args, world_size, control, lr_at, data_sha256):
         os.replace(damaged, damaged + ".damaged")
     trainer = torch.load(os.path.join(path, "trainer.pt"), map_location="cpu", weights_only=True)
     run = run_flags(args, world_size, data_sha256)
-    # torchrun's --rdzv-id ("none" without one, as under --master-addr; a first start refused every checkpoint)
-    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID")  # torchrun's --rdzv-id (launch.check_args refuses "none" here)
     if not args.resume and trainer["run"] != run_id:  # a restarted group takes its own run's checkpoints alone
         fail(f"--out-dir {args.out_dir} holds checkpoints of another run ({trainer['run']}; this run is {run_id}), "
              f"which a restarted run does not take; start again with --resume to continue from "
@@ -503,7 +508,7 @@ def lock_out_dir(out_dir):
         fail(f"--out-dir {out_dir} is in use by another run ({holder}); wait for it to end, or choose another "
              f"directory")
     lock.truncate(0)
-    lock.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+    lock.write(f"pid {os.getpid()} on {socket.gethostname()}, lock {secrets.token_hex(8)}\n")  # unique: read_lock
     lock.flush()
     os.fsync(lock.fileno())  # on the disk, for the other nodes to read (read_lock)
     for name in os.listdir(out_dir):

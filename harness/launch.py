@@ -184,7 +184,7 @@ def parse_args(argv=None):
                    "gradient sums and checkpoints stay float32")
     p.add_argument("--compile", action="store_true", help="compile each block with torch.compile (inductor), the "
                    "all-to-alls traced through; --tiles' MLP and packed documents' attention without a ring run "
-                   "eagerly between its graphs; the first step of each new shape compiles")
+                   "eagerly between each block's graphs; the first step of each new shape compiles")
     p.add_argument("--out-dir", help="write checkpoints here (at the end, and every --save-every steps)")
     p.add_argument("--save-every", type=int, default=0, help="also write a checkpoint every N steps (0: at the end "
                    "only)")
@@ -289,6 +289,10 @@ def check_args(args, world_size):
         fail("--resume, --save-every and --keep need --out-dir")
     if args.new_schedule and not args.resume:
         fail("--new-schedule accepts another schedule than the checkpoint's on --resume; add --resume, or drop it")
+    restarts, run_id = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", 0)), os.environ.get("TORCHELASTIC_RUN_ID")
+    if args.out_dir and restarts and run_id == "none":  # torchrun --master-addr without --rdzv-id: every run's id
+        fail("--out-dir with torchrun --max-restarts needs torchrun's --rdzv-id=NAME (this run's name): a restarted "
+             "run resumes only its own run's checkpoints, and without a name every run is called 'none'")
 
 
 def divisors(n):
@@ -387,7 +391,7 @@ def process_groups(args, world_size):
                 mesh = device_mesh(args, world_size, device.type)
                 yield device, mesh, control
             except RuntimeError as e:  # outside the steps (report.Log names a step's failure)
-                raise collective_failure(e, dist.get_rank(), args.timeout) from None
+                raise collective_failure(e, dist.get_rank(), args.timeout)
     finally:
         dist.destroy_process_group(control)
         if owns_process_group:
@@ -530,6 +534,8 @@ def collective_failure(error, rank, timeout, step=None):
     frames = traceback.extract_tb(error.__traceback__)
     names = [f.name for f in frames if f.filename.endswith("distributed_c10d.py")]
     message = str(error).lower()
+    if dist.get_world_size() == 1:  # no peer to lose: a bug, with its traceback
+        return error
     if names:
         collective = names[-1]
     elif "gloo" in message or "nccl" in message:

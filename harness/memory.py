@@ -82,7 +82,8 @@ class StorageBytes(TorchDispatchMode):
     (a finalizer); `existing` tensors count from the start. ZeRO-3 frees and refills its gathered units by resizing
     their storage, which no op shows: UntypedStorage.resize_ is watched. host: a device type ("cpu" beside a GPU)
     counted apart (`.host_peak`). An operator written in Python (the exchange, the ring) is one op to a dispatch
-    mode; inside_operators=True runs its body under the count, so that its own buffers count."""
+    mode; inside_operators=True runs its body under the count, so that its own buffers count. A collective's own
+    buffers do not: gloo's reduce-scatter copies its input where no op shows it, and splits the copy."""
 
     def __init__(self, existing, inside_operators=False, host=None):
         super().__init__()

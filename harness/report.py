@@ -49,7 +49,7 @@ class Log:
         if self.metrics:
             self.metrics.close()
         if isinstance(error, RuntimeError):
-            raise launch.collective_failure(error, self.run.rank, self.args.timeout, self.step) from None
+            raise launch.collective_failure(error, self.run.rank, self.args.timeout, self.step)
 
     @contextmanager
     def measuring(self, step):
