@@ -174,6 +174,16 @@ def test_an_error_on_one_rank_stops_every_rank_with_its_line(tmp_path, text_file
     assert exit_statuses(output) == {0: 1, 1: 1}, output[-3000:]
 
 
+def test_a_bug_in_a_one_process_run_keeps_its_traceback(one_rank, monkeypatch):
+    """A collective that fails with no peer to lose is a bug, not a lost rank: its error, with its traceback, rather
+    than the one line that names a lost peer."""
+    def bad_collective(*args):
+        dist.all_to_all_single(torch.empty(2), torch.empty(3))  # sizes that cannot be exchanged
+    monkeypatch.setattr(train, "train_step", bad_collective)
+    with pytest.raises(RuntimeError):
+        train.main(["--steps", "1", "--n-embd", "32", "--seq-len", "32"])
+
+
 def test_hung_rank_ends_the_run_within_the_timeout(tmp_path):
     """A peer that stops answering: the others give up after --timeout seconds, naming the collective."""
     launcher, _, workers = start_long_run(tmp_path, [], timeout=4)  # the two ranks meet within 4 s of each other
