@@ -531,11 +531,11 @@ def same_everywhere(control, values):
 def collective_failure(error, rank, timeout, step=None):
     """A collective that failed (a peer died, or waited past --timeout) as one line naming it, the step it was in
     (if any) and the ranks that are lost, those whose pulse stopped; other errors as they are."""
+    if dist.get_world_size() == 1:  # no peer to lose: a bug, with its traceback
+        return error
     frames = traceback.extract_tb(error.__traceback__)
     names = [f.name for f in frames if f.filename.endswith("distributed_c10d.py")]
     message = str(error).lower()
-    if dist.get_world_size() == 1:  # no peer to lose: a bug, with its traceback
-        return error
     if names:
         collective = names[-1]
     elif "gloo" in message or "nccl" in message:
