@@ -330,8 +330,8 @@ FUSED = {"cpu_flash": (_cpu_flash_forward, _cpu_flash_backward), "cuda_flash": (
 
 def token_index(layout, rank, R, L):
     """Ring rank `rank`'s L token indices: one block ("contiguous"), or chunks rank and 2R-1-rank of 2R ("zigzag")."""
-    chunks = torch.arange(R * L).view(2 * R if layout == "zigzag" else R, -1)  # (2R, L/2) or (R, L)
-    return chunks[[rank, 2 * R - 1 - rank]].flatten() if layout == "zigzag" else chunks[rank]  # (L,)
+    chunks, n = ([rank, 2 * R - 1 - rank], L // 2) if layout == "zigzag" else ([rank], L)  # of 2R, or of R chunks
+    return torch.cat([torch.arange(c * n, (c + 1) * n) for c in chunks])  # (L,)
 
 
 def key_ranges(q_index, k_index, window=None, causal=True):
