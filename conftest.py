@@ -294,11 +294,11 @@ def attention_formula(q, k, v, grad_out, window=None, position_ids=None, sinks=N
 def bytes_line(printed, what="all-to-all"):
     """From train.py's summary, under its line that says what the bytes count, the line of `what` ("all-to-all",
     "ring", "context-parallel Gated DeltaNet"): [bytes sent, the formula's bytes] and, where the line gives them,
-    [calls forward, calls backward] per layer and micro-step."""
+    [calls forward, calls backward] per layer and micro-step (of all layers, where they are of two kinds)."""
     said = r"^bytes rank 0 sent in one optimizer step, all \d+ layers and \d+ micro-steps?, forward and backward"
     assert re.search(said, printed, re.M), f"no line says what the bytes count in: {printed}"
     line = re.search(rf"^  {what}: ([\d,]+) \(formula ([\d,]+)\)"
-                     rf"(?:; \w+ per layer per micro-step: ([\d.]+) forward, ([\d.]+) backward)?$", printed, re.M)
+                     rf"(?:; \w+ per (?:layer per )?micro-step(?:, all layers)?: ([\d.]+) forward, ([\d.]+) backward)?$", printed, re.M)
     assert line, f"no {what} line in: {printed}"
     return [float(n.replace(",", "")) for n in line.groups() if n is not None]
 

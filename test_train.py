@@ -145,13 +145,18 @@ def test_training_a_hybrid_model(model):
     for Gated DeltaNet models, 5e-4: at 3e-3, AdamW grows the float32 rounding of different summation orders
     (gradients summed over ranks where one device sums over tokens; a key head's gradient summed over its value
     heads before the convolution's backward on one device, after it under SP) to 1e-5 to 5e-5 in the gradient
-    norm by step 15, where the layer itself agrees to 1e-10 in float64 (test_deltanet.py)."""
+    norm by step 15, where the layer itself agrees to 1e-10 in float64 (test_deltanet.py). The summary counts the
+    all-to-alls of all layers together, as a Gated DeltaNet layer makes 3 each way and a softmax layer 4."""
     argv = TRAIN_ARGS + ["--seq-len", "64", "--lr", "5e-4"] + model
     [(reference, _)] = run_ranks(1, train_rank, [argv + ["--batch-size", "8"]])[0]
     layouts = {"sp4": ["--sp", "4", "--batch-size", "8"], "dp2xsp2": ["--sp", "2", "--batch-size", "4"]}
     results = run_ranks(4, train_rank, [argv + layout for layout in layouts.values()])[0]
-    for name, (history, _) in zip(layouts, results):
+    pattern = model[model.index("--layer-pattern") + 1]
+    calls = 3 * pattern.count("d") + 4 * pattern.count("a")
+    for name, (history, printed) in zip(layouts, results):
         assert_same_training(history, reference, name)
+        sent, formula, *called = bytes_line(printed)
+        assert sent == formula and called == [calls, calls], (name, printed)
 
 
 def _bf16_rank(rank, world_size, runs):

@@ -12,8 +12,8 @@ Train a small GPT with Ulysses sequence parallelism (SP), data parallelism (DP) 
 
 This file is the run, top to bottom: main (the flags, the process groups and mesh), train (resume, the loop, the
 summary), build (the model, its sharding, the optimizer), load_micro_batch (the data: steps 1 to 3 below),
-train_step (steps 4 to 7). What runs the lesson without being part of it lives in harness/, and each of its services
-is one call here: launch (the flags and their checks, the process groups, errors every rank agrees on), checkpoint,
+train_step (steps 4 to 7). What runs the lesson without being part of it lives in harness/, and this file calls its
+services by name: launch (the flags and their checks, the process groups, errors every rank agrees on), checkpoint,
 memory, report (the progress and the summary). `python train.py --help` lists every flag with its default.
 
 The default data (data.py) is a copy task: random tokens followed by the same tokens again, and only the copy is

@@ -128,7 +128,8 @@ def parse_args(argv=None):
     p.add_argument("--sp", type=int, help="sequence-parallel size (default: every rank); dp = world size / sp")
     p.add_argument("--ring", type=int, default=1, help="ring degree R: each SP group of --sp ranks is a ring of R "
                    "Ulysses groups of sp/R ranks (Ulysses x Ring, ring.py); 1: Ulysses alone")
-    p.add_argument("--seq-len", type=int, default=128, help="tokens per sequence, before padding to a multiple of sp")
+    p.add_argument("--seq-len", type=int, default=128,
+                   help="tokens per sequence, before padding to a multiple of sp (of 2 sp with --ring)")
     p.add_argument("--batch-size", type=int, default=8, help="sequences per DP rank per micro-step")
     p.add_argument("--grad-accum", type=int, default=1, help="micro-steps per optimizer step")
     p.add_argument("--steps", type=int, default=600, help="optimizer steps")
@@ -199,11 +200,11 @@ def parse_args(argv=None):
     p.add_argument("--metrics", help="write one JSON line per optimizer step to this file (its folder is made if "
                    "missing); with --plan, one line: the traced peaks and the longest sequence that fits")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu",
-                   help="where the model computes: cuda where torch finds a GPU")
+                   help="where the model computes; the default is cuda on a machine where torch finds a GPU")
     p.add_argument("--plan", metavar="NxG", help="trace the training step on fake tensors as on N GPUs of G GiB (one "
                    "process, no GPU): print its peak memory per GPU and the longest sequence that fits, and exit")
-    p.add_argument("--dry-run", action="store_true", help="with --plan: does nothing more, as --plan alone traces the "
-                   "step")
+    p.add_argument("--dry-run", action="store_true", help="accepted with --plan, for older commands: --plan "
+                   "alone traces the step and runs nothing")
     preset = p.parse_known_args(argv)[0].model  # a preset's shape stands in for the defaults of the model flags
     p.set_defaults(**PRESETS.get(preset, {}))
     return p.parse_args(argv)

@@ -141,9 +141,12 @@ def bytes_sent(args, model, run, steps):
     twice = "; the forward twice, as --recompute runs it again in backward" if args.recompute else ""
     print(f"bytes rank 0 sent in one optimizer step, all {args.n_layer} layers and {args.grad_accum} micro-step"
           f"{'s' * (args.grad_accum > 1)}, forward and backward{twice}:")
+    exchanging = [block for block in model.blocks if block.kind == "a" or args.gdn_parallel == "ulysses"]
     exchanges = [exchange_bytes(args, group, tokens, e) if block.kind == "a" else block.attn.all_to_all_bytes(tokens, e)
-                 for block in model.blocks if block.kind == "a" or args.gdn_parallel == "ulysses"]
-    line("all-to-all", "calls", ulysses.all_to_all_stats, count(exchanges), len(exchanges), steps, args.grad_accum)
+                 for block in exchanging]
+    alike = len({block.kind for block in exchanging}) <= 1  # else calls of the step, not of a layer: 4 and 3 differ
+    line("all-to-all", "calls", ulysses.all_to_all_stats, count(exchanges), len(exchanges) if alike else 0, steps,
+         args.grad_accum)
     if args.ring > 1:
         blocks = [ring_block_bytes(args, group, tokens, e) for block in model.blocks if block.kind == "a"]
         line("ring", "sends", ring.ring_stats, count(blocks), len(blocks), steps, args.grad_accum)
@@ -155,11 +158,12 @@ def bytes_sent(args, model, run, steps):
 
 
 def line(what, calls, stats, formula, layers, steps, micro_steps):
-    """One byte line: the bytes sent, a step's mean, beside the formula's; the calls a layer makes a micro-step."""
+    """One byte line: the bytes sent, a step's mean, beside the formula's; the calls a layer makes a micro-step, or
+    all layers together where they are of two kinds (layers 0)."""
     sent = (stats["forward"]["bytes"] + stats["backward"]["bytes"]) / steps
-    per_layer = {way: stats[way]["calls"] / (steps * micro_steps * max(layers, 1)) for way in stats}
-    print(f"  {what}: {sent:,.0f} (formula {formula:,}); {calls} per layer per micro-step: "
-          f"{per_layer['forward']:g} forward, {per_layer['backward']:g} backward")
+    per = {way: stats[way]["calls"] / (steps * micro_steps * max(layers, 1)) for way in stats}
+    print(f"  {what}: {sent:,.0f} (formula {formula:,}); {calls} per {'layer per ' if layers else ''}micro-step"
+          f"{'' if layers else ', all layers'}: {per['forward']:g} forward, {per['backward']:g} backward")
 
 
 def exchange_bytes(args, group, tokens, element_bytes):
