@@ -204,6 +204,19 @@ def test_a_changed_schedule_is_refused_on_resume(tmp_path, one_rank, changed, ch
     assert train.main(resume + ["--new-schedule"])[0]["step"] == 4
 
 
+def test_a_resume_notes_another_weight_decay_or_clipping(tmp_path, one_rank, capsys):
+    """--weight-decay and --grad-clip shape every update after the checkpoint's: a resume with other values says so."""
+    out_dir = tmp_path / "run"
+    train.main(SHORT_RUN + ["--out-dir", str(out_dir)])
+    for changed in (["--weight-decay", "0.5"], ["--grad-clip", "0"]):
+        shutil.rmtree(out_dir / "step_000006")
+        capsys.readouterr()
+        train.main(SHORT_RUN + ["--out-dir", str(out_dir), "--resume"] + changed)
+        run = {"weight_decay": 0.0, "grad_clip": 1.0} | {changed[0][2:].replace("-", "_"): float(changed[1])}
+        assert (f"note: the checkpoint was trained with {{'weight_decay': 0.0, 'grad_clip': 1.0}}; this run has "
+                f"{run}, so its steps will not repeat the original run's") in capsys.readouterr().out, changed
+
+
 def test_a_resume_notes_data_of_other_bytes(tmp_path, one_rank, capsys, text_file):
     """A checkpoint knows its --data by its bytes (SHA-256), not by its path: resuming on a copy of the file under
     another name says nothing, and resuming on the same path after its bytes changed notes that the steps will not
@@ -317,6 +330,25 @@ def test_a_full_disk_says_so(tmp_path, one_rank, monkeypatch):
         train.main(SHORT_RUN + ["--out-dir", str(tmp_path / "run")])
     assert checkpoint.checkpoints(tmp_path / "run") == []
     assert checkpoint.checkpoints(tmp_path / "run", complete=False) == []
+
+
+def test_a_checkpoint_folder_that_cannot_be_made_says_why(tmp_path, one_rank):
+    """A save whose folder cannot be made (here a file holds its name; elsewhere a folder made read-only) says why in
+    one line, not that the disk is full."""
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "step_000003.tmp").write_text("")
+    with pytest.raises(SystemExit, match=r"^train.py: error: rank 0: cannot make the checkpoint's folder "
+                                         r"\S+step_000003.tmp: File exists$"):
+        train.main(SHORT_RUN + ["--out-dir", str(tmp_path / "run")])
+
+
+def test_checkpoints_are_listed_by_the_names_found(tmp_path):
+    """A checkpoint's folder renamed by hand (step_3) is listed by its own name, newest first by its step."""
+    for name in ("step_02", "step_000010", "step_3"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / checkpoint.MANIFEST).write_text("{}")
+    assert checkpoint.checkpoints(tmp_path) == [os.path.join(tmp_path, name) for name in ("step_000010", "step_3",
+                                                                                          "step_02")]
 
 
 def test_a_save_slower_than_the_timeout_completes(tmp_path):

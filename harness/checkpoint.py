@@ -146,9 +146,9 @@ def prepare_optimizer(optimizer, keys, scalars):
 
 def checkpoints(out_dir, complete=True):
     """The checkpoints in out_dir, newest first: those with a manifest (complete), or those without one."""
-    steps = [int(name[5:]) for name in os.listdir(out_dir) if name.startswith("step_") and name[5:].isdigit()
+    names = [name for name in os.listdir(out_dir) if name.startswith("step_") and name[5:].isdigit()
              and os.path.exists(os.path.join(out_dir, name, MANIFEST)) == complete]
-    return [os.path.join(out_dir, f"step_{step:06d}") for step in sorted(steps, reverse=True)]
+    return [os.path.join(out_dir, name) for name in sorted(names, key=lambda name: int(name[5:]), reverse=True)]
 
 
 def newest(out_dir):
@@ -171,12 +171,13 @@ def weights(path):
 def run_flags(args, world_size, data_sha256):
     """What a checkpoint records of the run's flags, and what a resumed run is checked against: the model's
     shape, what fixes the sequence of batches (the data by its bytes, data_sha256 of --data's, not by its path),
-    and what fixes the learning rate of every step."""
+    what fixes the learning rate of every step, and what else shapes an update."""
     global_batch = world_size // args.sp * args.batch_size * args.grad_accum
     return {"model": model_flags(args),
             "data": {"seed": args.seed, "seq_len": args.seq_len, "global_batch": global_batch,
                      "data": data_sha256 and f"SHA-256 {data_sha256[:16]}", "pack": args.pack},
-            "schedule": {"steps": args.steps, "lr": args.lr, "warmup": args.warmup}}
+            "schedule": {"steps": args.steps, "lr": args.lr, "warmup": args.warmup},
+            "update": {"weight_decay": args.weight_decay, "grad_clip": args.grad_clip}}
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -205,6 +206,9 @@ def save(args, step, model, zero, optimizer, world_size, rank, data_sha256):
                                "run": os.environ.get("TORCHELASTIC_RUN_ID")}
     try:
         os.makedirs(tmp, exist_ok=True)
+    except OSError as e:  # no folder to report into either
+        fail(f"cannot make the checkpoint's folder {tmp}: {e.strerror}", alike=False)
+    try:
         with heartbeat(os.path.join(tmp, f"rank_{rank:05d}.alive"), every):
             marker = {"files": write_files(tmp, files), "problem": None}
     except (Mistake, OSError) as e:
@@ -267,7 +271,7 @@ def write_files(directory, files):
         except (OSError, RuntimeError) as e:  # torch.save reports a full disk as a RuntimeError of its zip writer
             with suppress(OSError):
                 os.remove(path)
-            free = shutil.disk_usage(directory).free if os.path.isdir(directory) else 0
+            free = shutil.disk_usage(directory).free if os.path.isdir(directory) else float("inf")  # not the disk
             if getattr(e, "errno", None) == errno.ENOSPC or free < 2**20:
                 fail(f"no space left on the device of {directory} ({free / 2**20:,.1f} MiB free) for {name}; "
                      f"free some, or keep fewer checkpoints (--keep)", alike=False)
@@ -375,9 +379,10 @@ def find(args, world_size, control, lr_at, data_sha256):
         fail(f"{changed} against checkpoint {path} would move the learning rate of step {trainer['step'] + 1} from "
              f"{lr_at(trainer['step'], was):.3g} to {lr_at(trainer['step'], args):.3g}; resume with the checkpoint's "
              f"values, or add --new-schedule to accept it")
-    if rank == 0 and trainer["data"] != run["data"]:
-        print(f"note: the checkpoint was trained with {trainer['data']}; this run has {run['data']}, so its steps "
-              f"will not repeat the original run's")
+    for what in ("data", "update"):  # may change, with a note (an older checkpoint records no "update")
+        if rank == 0 and trainer.get(what, run[what]) != run[what]:
+            print(f"note: the checkpoint was trained with {trainer[what]}; this run has {run[what]}, so its steps "
+                  f"will not repeat the original run's")
     return path, trainer, time.perf_counter() - t0
 
 
