@@ -44,6 +44,9 @@ from harness import bench, launch
     (1, ["--layer-pattern", "d", "--window", "8"], r"--window shapes softmax attention, and --layer-pattern d has no a "
                                                    r"layer; drop --window, or put an a in --layer-pattern"),
     (1, ["--layer-pattern", "dd", "--sinks"], r"--sinks shapes softmax attention, and --layer-pattern dd has no a "),
+    (1, ["--gdn-k-heads", "4", "--gdn-v-heads", "6"], r"--gdn-k-heads shapes Gated DeltaNet layers, and "
+                                                      r"--layer-pattern a has no d layer; drop it, or put a d in"),
+    (1, ["--layer-pattern", "aa", "--gdn-parallel", "context"], r"--gdn-parallel shapes Gated DeltaNet layers, and "),
     (2, ["--plan", "2x80"], r"--plan traces every GPU it names in one process: run python train.py --plan 2x80, not "
                             r"torchrun"),
     (1, ["--plan", "2x80", "--metrics", "{tmp}"], r"--metrics \S+ is a directory; give a file name"),
