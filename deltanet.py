@@ -190,10 +190,12 @@ def _masked_exp(log_decay, keep):
 def causal_conv1d(x, weight, starts=None):
     """Depthwise causal convolution over the sequence, restarting at every document: x [B, S, ch], weight [ch, taps]
     -> [B, S, ch], out_t = sum_i weight[:, taps-1-i] * x_{t-i} over the tokens of t's document (ch: channels)."""
-    B, S, ch = x.shape
-    if starts is None:
-        return _causal_conv(x, weight)  # (B, S, ch)
-    bounds = document_bounds(starts).tolist()
+    return _causal_conv(x, weight) if starts is None else _conv_by_document(x, weight, starts)  # (B, S, ch)
+
+
+@torch.compiler.disable  # compiled, its loop over the data's documents would recompile for each new count
+def _conv_by_document(x, weight, starts):
+    (B, S, ch), bounds = x.shape, document_bounds(starts).tolist()
     stream = x.reshape(1, B * S, ch)  # the batch as one stream of documents
     documents = [_causal_conv(stream[:, s:e], weight) for s, e in zip(bounds[:-1], bounds[1:])]  # (1, length, ch) each
     return torch.cat(documents, dim=1).view(B, S, ch)  # (1, B*S, ch) -> (B, S, ch)
@@ -340,8 +342,7 @@ def context_gated_delta_rule(q, k, v, g, beta, starts, context, links):
     starts as that takes them, [B, L, ...] each; context: the Ulysses and ring groups; links: chain's). One call of the
     kernel per run gives its outputs from a zero state, its summary [h_ext | T] and what a starting state adds to each
     output; the gathered summaries of the runs before it give its starting state."""
-    B, _, H, Dk = q.shape
-    Dv = v.shape[-1]
+    (B, _, H, Dk), Dv = q.shape, v.shape[-1]
     mine, before, slots = links
     identity = torch.eye(Dk, dtype=q.dtype, device=q.device).expand(B, H, Dk, Dk)  # (B, H, Dk, Dk)
     zero_and_identity = torch.cat([q.new_zeros(B, H, Dk, Dv), identity], dim=-1)  # (B, H, Dk, Dv + Dk): [0 | I]
@@ -382,8 +383,7 @@ def gated_delta_net(q, k, v, b, a, conv_weight, A_log, dt_bias, key_of_value=Non
 
     context: (Ulysses group, ring group) for the context-parallel way. Then the inputs are this rank's tokens of
     the sequence (its runs, in the SP group's token order), all heads, and starts the document starts among them."""
-    B, S, hk, Dk = q.shape
-    hv, Dv = v.shape[2:]
+    (B, S, hk, Dk), (hv, Dv) = q.shape, v.shape[2:]
     dtype = q.dtype
     qkv = torch.cat([q.flatten(2), k.flatten(2), v.flatten(2)], dim=2)  # (B, S, 2*hk*Dk + hv*Dv): the channels
     if context is not None:  # the left context of each run travels in the inputs' dtype

@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch._dynamo.testing import CompileCounterWithBackend
 
 import deltanet
 import ulysses
@@ -55,6 +56,21 @@ def test_causal_conv1d_restarts_at_every_document():
     want = torch.cat([F.conv1d(x[:, s:e].transpose(1, 2), weight[:, None], padding=3, groups=6)[..., :e - s]
                       for s, e in zip(bounds, bounds[1:])], dim=2).transpose(1, 2)  # each document alone
     torch.testing.assert_close(deltanet.causal_conv1d(x, weight, starts), want, rtol=1e-12, atol=1e-12)
+
+
+def test_packed_convolution_compiles_once_for_any_documents():
+    """Under torch.compile, the convolution over packed documents runs eagerly between graphs (its loop follows the
+    data's documents): rows of 2, 3 and 4 documents compile nothing new, and the result is eager's."""
+    x, weight = torch.randn(2, 24, 6), torch.randn(6, 4)
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("eager")
+    compiled = torch.compile(lambda *inputs: 2 * deltanet.causal_conv1d(*inputs), backend=counter)
+    frames = []
+    for length in (12, 8, 6):  # documents of `length` tokens: 2, 3 and 4 a row
+        starts = (torch.arange(24) % length == 0).expand(2, 24)  # (B, S)
+        torch.testing.assert_close(compiled(x, weight, starts), 2 * deltanet.causal_conv1d(x, weight, starts))
+        frames.append(counter.frame_count)
+    assert frames[0] > 0 and frames == frames[:1] * 3, frames
 
 
 GDN_CASES = [  # (config, dtype, tolerance): today's shape, and Qwen3-Next's 16 key and 32 value heads scaled down

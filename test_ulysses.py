@@ -204,7 +204,8 @@ def test_packed_attention_compiles_once_for_any_documents():
 def _unequal_shards_rank(rank, world_size):
     model, messages = GPT(GPTConfig(n_layer=1, n_embd=32), sp_group=dist.group.WORLD), []
     for idx in (torch.zeros(2, 3 + rank, dtype=torch.long),  # rank 0: 3 tokens, rank 1: 4
-                torch.zeros(3, dtype=torch.long) if rank else torch.zeros(2, 3, dtype=torch.long)):  # rank 1: no batch
+                torch.zeros(3, dtype=torch.long) if rank else torch.zeros(2, 3, dtype=torch.long),  # rank 1: no batch
+                torch.zeros(2, 3, 1, dtype=torch.long), torch.zeros(3, dtype=torch.long)):  # alike, and not [B, S]
         try:
             model(idx, torch.arange(idx.shape[-1]).expand_as(idx))
         except ValueError as e:
@@ -213,12 +214,12 @@ def _unequal_shards_rank(rank, world_size):
 
 
 def test_shards_of_different_lengths_are_refused():
-    """Shards made by hand with different lengths, or of other dimensions: a clear error on every rank, not an abort
-    inside gloo."""
+    """Shards made by hand with different lengths, or of other dimensions, on one rank or on both: a clear error on
+    every rank, not an abort inside gloo, nor an error from deep inside the model."""
     for messages in run_ranks(2, _unequal_shards_rank):
         assert [m[:m.index(" by rank")] for m in messages] == [
-            f"the ranks of the SP group hold [batch, tokens] shards of different shapes, {shapes}"
-            for shapes in ("[(2, 3), (2, 4)]", "[(2, 3), (-1, -1)]")]
+            f"the ranks of the SP group must hold [batch, tokens] shards of one shape; they hold {shapes}"
+            for shapes in ("[(2, 3), (2, 4)]", "[(2, 3), (-1, -1)]", "[(-1, -1), (-1, -1)]", "[(-1, -1), (-1, -1)]")]
 
 
 def _mismatched_inputs_rank(rank, world_size):

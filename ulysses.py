@@ -288,13 +288,13 @@ def global_valid_tokens(labels, group=None):
 
 
 def check_shards(x, group=None):
-    """ValueError on every rank unless every rank of the group holds a batch of the same [B, S_local] as x ([B,
-    S_local, ...]). The all-to-alls assume it: a mismatch would abort or hang the collective.
+    """ValueError on every rank unless every rank of the group holds token ids x of one [B, S_local]. The all-to-alls
+    assume it: a mismatch would abort or hang the collective.
     shard_for_sp always cuts equal shards; a model calls this once per forward (one all-gather of two numbers)."""
-    shapes = _every_rank([*x.shape[:2]] if x.dim() >= 2 else [-1, -1], x.device, group)  # -1: not [B, S_local, ...]
-    if len(set(shapes)) > 1:
-        raise ValueError(f"the ranks of the SP group hold [batch, tokens] shards of different shapes, {shapes} by "
-                         f"rank (-1: no batch dimension); each must hold S/P tokens of the same batch (shard_for_sp)")
+    shapes = _every_rank([*x.shape] if x.dim() == 2 else [-1, -1], x.device, group)  # -1: not [B, S_local]
+    if len(set(shapes)) > 1 or shapes[0][0] == -1:
+        raise ValueError(f"the ranks of the SP group must hold [batch, tokens] shards of one shape; they hold "
+                         f"{shapes} by rank (-1: not [batch, tokens]); each S/P tokens of one batch (shard_for_sp)")
 
 
 def _every_rank(numbers, device, group):
