@@ -146,7 +146,7 @@ def prepare_optimizer(optimizer, keys, scalars):
 
 def checkpoints(out_dir, complete=True):
     """The checkpoints in out_dir, newest first: those with a manifest (complete), or those without one."""
-    names = [name for name in os.listdir(out_dir) if name.startswith("step_") and name[5:].isdigit()
+    names = [name for name in os.listdir(out_dir) if name.startswith("step_") and name[5:].isdecimal()
              and os.path.exists(os.path.join(out_dir, name, MANIFEST)) == complete]
     return [os.path.join(out_dir, name) for name in sorted(names, key=lambda name: int(name[5:]), reverse=True)]
 

@@ -243,7 +243,7 @@ def check_args(args, world_size):
         fail(f"--seed {args.seed} must be in [0, 2**32)")
     gdn = [f"--gdn-{part}" for part in ("k-heads", "v-heads", "k-dim", "v-dim")
            if getattr(args, "gdn_" + part.replace("-", "_"))]
-    if "d" not in args.layer_pattern and (gdn or args.gdn_parallel != "ulysses"):  # before a check of their values
+    if set(args.layer_pattern) == {"a"} and (gdn or args.gdn_parallel != "ulysses"):  # before their values' checks
         fail(f"{(gdn or ['--gdn-parallel'])[0]} shapes Gated DeltaNet layers, and --layer-pattern {args.layer_pattern} "
              f"has no d layer; drop it, or put a d in --layer-pattern")
     try:

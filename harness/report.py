@@ -133,7 +133,7 @@ def summary(args, history, model, optimizer, n_params, run, traced):
 
 def bytes_sent(args, model, run, steps):
     """The summary's byte lines: what rank 0 sent in one optimizer step, measured (the mean over the run's steps)
-    and by the formula, and the calls a layer makes in a micro-step."""
+    and by the formula, and the calls a layer makes in a micro-step (all layers', where they are of two kinds)."""
     group, e = run.mesh.get_group("ulysses"), getattr(torch, args.dtype).itemsize
     tokens = memory.local_tokens(args)  # this rank's, per micro-step
     count = lambda per_layer: args.grad_accum * sum((2 if args.recompute else 1) * forward + backward
@@ -144,8 +144,8 @@ def bytes_sent(args, model, run, steps):
     exchanging = [block for block in model.blocks if block.kind == "a" or args.gdn_parallel == "ulysses"]
     exchanges = [exchange_bytes(args, group, tokens, e) if block.kind == "a" else block.attn.all_to_all_bytes(tokens, e)
                  for block in exchanging]
-    alike = len({block.kind for block in exchanging}) <= 1  # else calls of the step, not of a layer: 4 and 3 differ
-    line("all-to-all", "calls", ulysses.all_to_all_stats, count(exchanges), len(exchanges) if alike else 0, steps,
+    alike = len({block.kind for block in exchanging}) <= 1  # else all layers' calls of a micro-step: 4 and 3 differ
+    line("all-to-all", "calls", ulysses.all_to_all_stats, count(exchanges), len(exchanges) if alike else None, steps,
          args.grad_accum)
     if args.ring > 1:
         blocks = [ring_block_bytes(args, group, tokens, e) for block in model.blocks if block.kind == "a"]
@@ -159,11 +159,11 @@ def bytes_sent(args, model, run, steps):
 
 def line(what, calls, stats, formula, layers, steps, micro_steps):
     """One byte line: the bytes sent, a step's mean, beside the formula's; the calls a layer makes a micro-step, or
-    all layers together where they are of two kinds (layers 0)."""
+    all layers together where they are of two kinds (layers None)."""
     sent = (stats["forward"]["bytes"] + stats["backward"]["bytes"]) / steps
-    per = {way: stats[way]["calls"] / (steps * micro_steps * max(layers, 1)) for way in stats}
-    print(f"  {what}: {sent:,.0f} (formula {formula:,}); {calls} per {'layer per ' if layers else ''}micro-step"
-          f"{'' if layers else ', all layers'}: {per['forward']:g} forward, {per['backward']:g} backward")
+    per = {way: stats[way]["calls"] / (steps * micro_steps * max(layers or 1, 1)) for way in stats}
+    print(f"  {what}: {sent:,.0f} (formula {formula:,}); {calls} per {'' if layers is None else 'layer per '}micro-"
+          f"step{', all layers' if layers is None else ''}: {per['forward']:g} forward, {per['backward']:g} backward")
 
 
 def exchange_bytes(args, group, tokens, element_bytes):
