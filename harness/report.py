@@ -161,7 +161,7 @@ def line(what, calls, stats, formula, layers, steps, micro_steps):
     """One byte line: the bytes sent, a step's mean, beside the formula's; the calls a layer makes a micro-step, or
     all layers together where they are of two kinds (layers None)."""
     sent = (stats["forward"]["bytes"] + stats["backward"]["bytes"]) / steps
-    per = {way: stats[way]["calls"] / (steps * micro_steps * max(layers or 1, 1)) for way in stats}
+    per = {way: stats[way]["calls"] / (steps * micro_steps * (layers or 1)) for way in stats}
     print(f"  {what}: {sent:,.0f} (formula {formula:,}); {calls} per {'' if layers is None else 'layer per '}micro-"
           f"step{', all layers' if layers is None else ''}: {per['forward']:g} forward, {per['backward']:g} backward")
 
