@@ -83,11 +83,12 @@ def _flip(data, n=64):
     ("shard_00000-of-00001.pt", lambda data: data[:len(data) // 2],
      r"shard_00000-of-00001.pt has [\d,]+ bytes, not [\d,]+"),
     ("shard_00000-of-00001.pt", _flip, r"shard_00000-of-00001.pt does not match its SHA-256 \(changed on the disk\)"),
-], ids=["empty", "truncated", "flipped"])
+    ("manifest.json", lambda data: data.replace(b'"bytes"', b'"size"'), r"manifest.json is unreadable"),
+], ids=["empty", "truncated", "flipped", "manifest edited"])
 def test_a_damaged_checkpoint_falls_back_to_the_one_before(tmp_path, one_rank, capsys, name, damage, problem):
-    """A checkpoint file emptied, cut short, or with 64 bytes flipped fails verification against the manifest: one
-    line says so, the checkpoint is moved aside as it is (step_000006.damaged), the run resumes from the checkpoint
-    before it, and its steps equal the run that never stopped."""
+    """A checkpoint file emptied, cut short, or with 64 bytes flipped, or a manifest edited into valid JSON without
+    the sizes, fails verification: one line says so, the checkpoint is moved aside as it is (step_000006.damaged),
+    the run resumes from the checkpoint before it, and its steps equal the run that never stopped."""
     out_dir = tmp_path / "run"
     straight = train.main(SHORT_RUN + ["--out-dir", str(out_dir)])
     part = out_dir / "step_000006" / name

@@ -391,15 +391,15 @@ def verify(path, rank, world_size):
     or None: each must have the size and the SHA-256 that the manifest gives."""
     try:
         with open(os.path.join(path, MANIFEST)) as f:
-            files = sorted(json.load(f)["files"].items())
+            files = sorted((name, int(e["bytes"]), str(e["sha256"])) for name, e in json.load(f)["files"].items())
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return f"{MANIFEST} is unreadable"
-    for name, expected in files[rank::world_size]:
+    for name, size, digest in files[rank::world_size]:
         file = os.path.join(path, name)
         try:
-            if os.path.getsize(file) != expected["bytes"]:
-                return f"{name} has {os.path.getsize(file):,} bytes, not {expected['bytes']:,}"
-            if sha256(file) != expected["sha256"]:
+            if os.path.getsize(file) != size:
+                return f"{name} has {os.path.getsize(file):,} bytes, not {size:,}"
+            if sha256(file) != digest:
                 return f"{name} does not match its SHA-256 (changed on the disk)"
         except FileNotFoundError:
             return f"{name} is missing"
