@@ -20,7 +20,7 @@ elements sends B * S * h * (P-1)/P^2. So per layer each rank sends, in elements 
 
 When P grows in step with S, that approaches B * S/P * (2*h + 2*h_kv); an all-gather of k and v grows with S.
 
-Four rules make training on P ranks equal to training on one device; this file holds what rules 2 to 4 need:
+Four rules make training on P ranks equal to training on one device; rule 1 is the caller's, this file holds 2 to 4:
   1. shift the labels by one BEFORE sharding (a shard's last label is the next rank's first token);
   2. pad every sequence at its end to a multiple of P, give rank r tokens [r*S_pad/P, (r+1)*S_pad/P), and keep
      their GLOBAL position ids (RoPE and document boundaries need them): `shard_for_sp`;
@@ -50,7 +50,7 @@ from torch.distributed.distributed_c10d import _resolve_process_group  # a group
 def ulysses_attention(q, k, v, group=None, attn_fn=None, check=True, sinks=None, **attn_kwargs):
     """Attention over the full sequence when each rank holds S/P tokens: q [B, S/P, Hq, D], k and v [B, S/P, Hkv, D]
     -> [B, S/P, Hq, D]. attn_fn(q, k, v, **attn_kwargs) gets the full sequence of this rank's heads (head_layout):
-    q [B, S, hq, D]; k and v [B, S, hkv, D], query head i using kv head i // (hq / hkv), else expanded to [B, S, hq,
+    q [B, S, hq, D]; k and v [B, S, hkv, D] if query head i uses kv head i // (hq / hkv), else expanded to [B, S, hq,
     D], a kv head per query head (kernel_kv_heads). Default causal_attention; ring.ring_attention over a ring group
     makes it Ulysses x Ring. group=None or of one rank: attn_fn alone. check: `check_inputs` first, unless compiling.
     sinks [Hq]: a learned logit per query head (gpt-oss); attn_fn gets this rank's as sinks=...."""

@@ -109,7 +109,7 @@ def summary(args, history, model, optimizer, n_params, run, traced):
     mib, seconds = lambda b: f"{b / 2**20:,.2f} MiB", sum(r["seconds"] for r in history)
     print(f"final: loss {history[-1]['loss']:.4f} | accuracy {history[-1]['accuracy']:.4f}")
     print(f"throughput: {sum(r['tokens'] for r in history) / seconds:,.0f} tokens/s "
-          f"({run.world_size} ranks, {seconds:.1f} s)")
+          f"({run.world_size} rank{'s' * (run.world_size > 1)}, {seconds:.1f} s)")
     print(f"model state per rank (max over ranks): params {mib(params)} + grads {mib(grads)} + optimizer "
           f"{mib(optim)} = {mib(params + grads + optim)}{' in host memory' * args.offload_optimizer}; unsharded fp32 "
           f"{mib(16 * n_params)}, / {run.world_size} ranks = {mib(16 * n_params / run.world_size)}")
