@@ -150,7 +150,11 @@ BAD_ARGUMENTS = {  # python -m harness.bench ARGV: the one line of its refusal
                                   "must divide both; or --weak-seq-len 0 for none",
     "deltanet --seq-lens 1026": "--seq-lens 1026: each must be a multiple of 4 (the layer runs on P = 2 and 4)",
     "deltanet --heads 3": "--heads 3: choose an even count of 4 or more (H/2 key heads, each for 2 value heads, over "
-                          "up to 4 ranks)"}
+                          "up to 4 ranks)",
+    "plans --figure /no/such/plans.png": "--figure /no/such/plans.png: there is no folder /no/such to write it into",
+    "balance --picture /no/such/work.png": "--picture /no/such/work.png: there is no folder /no/such to write it into",
+    "attention --versus /no/such.py": "--versus /no/such.py: No such file or directory",
+    "attention --versus /dev/null": "--versus /dev/null: defines no ulysses_attention; give another copy of ulysses.py"}
 
 
 @pytest.fixture
@@ -170,6 +174,15 @@ def test_bad_arguments_are_refused_in_one_line(capsys, measured, argv, error):
         bench.main(argv.split())
     assert capsys.readouterr().err.splitlines()[-1].split(" error: ", 1)[1] == error
     assert not measured
+
+
+def test_compile_runs_its_own_steps_whatever_the_flags(monkeypatch, capsys):
+    """compile's --steps comes after the train.py flags it passes on, so a --steps among them cannot cut the runs to
+    one step (whose later steps, none, have no median)."""
+    runs = []
+    monkeypatch.setattr(bench, "train_run", lambda P, argv: runs.append(argv) or [{"seconds": 1.0}] * 3)
+    bench.main("compile --sp 1 --steps 3 --runs 1 --flags --n-embd 16 --steps 1".split())
+    assert [[argv[i + 1] for i, flag in enumerate(argv) if flag == "--steps"][-1] for argv in runs] == ["3", "3"]
 
 
 def test_the_weak_scaling_sizes_bind_only_with_weak_scaling(measured):

@@ -483,12 +483,7 @@ def weak_scaling(args, measured):
 
 def plot_attention(args, measured):
     """--plot FILE: the weak-scaling bytes, and each variant's copies and peak memory at --seq-len."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("--plot: matplotlib is not installed; the tables above are the figures")
+    if not (plt := pyplot("--plot")):
         return
     mib = lambda b: b / 2**20
     fig, (weak, copies, peaks) = plt.subplots(1, 3, figsize=(15, 4.2))
@@ -648,7 +643,8 @@ def train_run(P, argv):
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={P}",
                    os.path.join(ROOT, "train.py"), *argv, "--metrics", metrics]
         done = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-        if done.returncode:  # train.py's own error line, else the end of what torchrun reports
+        planned = "--plan" in argv and os.path.exists(metrics) and os.path.getsize(metrics)  # exits 1 if not fits
+        if done.returncode and not planned:  # train.py's own error line, else the end of what torchrun reports
             errors = [line for line in done.stderr.splitlines() if "train.py: error:" in line]
             why = "\n".join(dict.fromkeys(errors)) or done.stderr[-2000:]  # each line once, though every rank says it
             raise SystemExit(f"harness.bench: train.py {' '.join(argv)} failed on {P} ranks:\n{why}")
@@ -710,20 +706,15 @@ def plans(args):
         rows.append((gpus, plan["longest"]))
         print(f"{gpus:>3} GPUs: ALST {ALST[gpus]:>10,} | traced {plan['longest']:>10,} "
               f"({time.perf_counter() - start:.0f} s) | at {ALST[gpus]:,}: {plan['peak_bytes'] / 2**30:.1f} GPU, "
-              f"{plan['host_peak_bytes'] / 2**30:.1f} CPU", flush=True)
+              f"{plan['host_peak_bytes'] / 2**30:.1f} CPU" + " (does not fit)" * (plan["peak_bytes"] > gib * 2**30),
+              flush=True)
     if args.figure:
         draw_plans(rows, gib, args.figure)
 
 
 def draw_plans(rows, gib, path):
     """Longest sequence against GPU count, ours beside ALST's, as a picture (needs matplotlib; skipped without)."""
-    try:
-        import matplotlib
-        import matplotlib.ticker
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("no picture: matplotlib is not installed (the table above is the result)")
+    if not (plt := pyplot("--figure")):
         return
     gpus = [g for g, _ in rows]
     series = [("ALST (reported)", "s-", [ALST[g] for g in gpus]),
@@ -736,7 +727,7 @@ def draw_plans(rows, gib, path):
     ax.set(xscale="log", yscale="log", xlabel=f"GPUs of {gib} GiB (H100)", ylabel="longest sequence, tokens",
            title="Llama-3-8B: the longest sequence that trains")
     ax.set_xticks(gpus, [str(g) for g in gpus])
-    ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
+    ax.minorticks_off()
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -748,7 +739,7 @@ def draw_plans(rows, gib, path):
 
 
 def compile_(args):
-    argv = ["--steps", str(args.steps), *args.flags]
+    argv = [*args.flags, "--steps", str(args.steps)]  # --steps last: the flags' own --steps would win
     print(f"train.py {' '.join(argv)} [--compile], seconds per step on rank 0; eager and compiled alternate, "
           f"{args.runs} runs each", flush=True)
     print(f"{'P':>2} {'mode':<9} {'first step s':>13} {'later steps, median s':>22} {'later vs eager':>15}", flush=True)
@@ -838,7 +829,7 @@ def ring_(args):
     print(f"\ncausal work per ring rank, query-key pairs in the cut of each block over the R steps "
           f"(documents.ring_work), S={S}:")
     print(f"{'R':>2} {'contiguous: least':>18} {'most':>12} {'zigzag: every rank':>19}")
-    for R in (2, 4, 8):
+    for R in (R for R in (2, 4, 8) if S % (2 * R) == 0):  # zigzag's 2R chunks
         contiguous, zigzag = (documents.ring_work(R, S // R, layout) for layout in ("contiguous", "zigzag"))
         print(f"{R:2} {min(contiguous):18,} {max(contiguous):12,} {zigzag[0]:19,}" + ("" if len(set(zigzag)) == 1
                                                                                     else f" (not equal: {zigzag})"))
@@ -918,10 +909,7 @@ def balance(args):
             step, cpu = seconds[name]
             print(f"{R:2} {name:>10} {per_rank:>40} {max(work) / (sum(work) / R):9.3f} {step * 1e3:8.1f} "
                   f"{max(cpu) * 1e3:15.1f}", flush=True)
-    if args.picture:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+    if args.picture and (plt := pyplot("--picture")):
         figure, axes = plt.subplots(1, len(args.ranks), figsize=(4 * len(args.ranks), 3), sharey=True)
         for ax, R in zip(figure.axes, args.ranks):
             for offset, name in ((-0.2, "zigzag"), (0.2, "documents")):
@@ -1038,6 +1026,18 @@ def profile_step(S, milliseconds):
               f"{e.key[:100]}", flush=True)
 
 
+def pyplot(flag):
+    """matplotlib's pyplot, drawing to files; None, with a line that says so, where matplotlib is not installed."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        return plt
+    except ImportError:
+        print(f"{flag}: matplotlib is not installed, so no picture; the tables above are the figures")
+        return None
+
+
 def at_least(least):
     """argparse's type of a count flag: an int not below `least`, else one line naming the value."""
     def count(text):
@@ -1098,7 +1098,7 @@ def main(argv=None):
     p.add_argument("--gpus", type=int, nargs="+", default=[1, 8, 32], choices=sorted(ALST), help="GPU counts, a row "
                    "each")
     p.add_argument("--gib", type=at_least(1), default=80, help="memory of a GPU")
-    p.add_argument("--figure", default="figures/plans.png", help="the picture's file (matplotlib; none: '')")
+    p.add_argument("--figure", metavar="FILE", help="also draw the table into FILE (a .png; needs matplotlib)")
     p = command("compile", "train.py eager against --compile: compile time and step time")
     p.add_argument("--sp", type=at_least(1), nargs="+", default=[2, 4], help="ranks (all sequence-parallel), one row "
                    "pair each")
@@ -1155,6 +1155,18 @@ def main(argv=None):
                          f"heads, over up to 4 ranks)")
         if args.head_dim % 2:
             parser.error(f"--head-dim {args.head_dim}: must be even (the layer's GPTConfig takes heads of even size)")
+    for flag in ("plot", "figure", "picture"):  # before minutes of measuring
+        folder = os.path.dirname(os.path.abspath(getattr(args, flag, None) or "."))
+        if getattr(args, flag, None) and not os.path.isdir(folder):
+            parser.error(f"--{flag} {getattr(args, flag)}: there is no folder {folder} to write it into")
+    if getattr(args, "versus", None):
+        try:
+            with open(args.versus) as f:
+                found = "def ulysses_attention(" in f.read()
+        except OSError as e:
+            parser.error(f"--versus {args.versus}: {e.strerror}")
+        if not found:
+            parser.error(f"--versus {args.versus}: defines no ulysses_attention; give another copy of ulysses.py")
     measure = {"attention": attention, "tiled": tiled, "deltanet": deltanet, "memory": memory_, "plans": plans,
                "compile": compile_, "ring": ring_, "balance": balance, "gpu": gpu}
     measure[args.command](args)
