@@ -12,6 +12,7 @@ import json
 import math
 import os
 import re
+import resource
 import time
 import weakref
 from contextlib import contextmanager, nullcontext
@@ -267,6 +268,7 @@ def plan(args, build):
     read_data(args)  # the run's own --data, before a trace of minutes; so is --metrics
     if args.metrics:
         check_metrics(args.metrics)
+    held_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
     here = planned(args, world_size, build)
     fits, usp = here["device"] <= memory, f" (ulysses {args.sp // args.ring} x ring {args.ring})" * (args.ring > 1)
     eager = "; eager, as --compile is not traced" * args.compile
@@ -277,10 +279,12 @@ def plan(args, build):
           f"{local_tokens(args):,} tokens per rank, and {size(here['host'])} of CPU memory per GPU (the step traced on "
           f"fake tensors, rank {here['rank']}{busiest}, {here['how']}, {here['seconds']:.0f} s{eager})", flush=True)
     start, peaks = time.perf_counter(), {args.seq_len: here["device"]}
-    n = longest(lambda S: peaks.get(S) or planned(args, world_size, build, seq_len=S)["device"], args.seq_len,
-                memory, TOLERANCE, args.sp)
-    print(f"longest sequence that fits: {f'{n:,} tokens' if n else 'none'} (within {TOLERANCE:.0%}; the search traced "
-          f"for {time.perf_counter() - start:.0f} s)")
+    n = longest(lambda S: peaks[S] if S in peaks else peaks.setdefault(S, planned(args, world_size, build,
+                seq_len=S)["device"]), args.seq_len, memory, TOLERANCE, args.sp, partial(traceable, held_before))
+    answer, how = (f"{n:,} tokens", f"within {TOLERANCE:.0%}") if n else ("none", f"within {TOLERANCE:.0%}")
+    if n and not any(S <= n * (1 + TOLERANCE) + 1 for S, peak in peaks.items() if peak > memory):  # stopped short
+        answer, how = f"{n:,} tokens or more", "a longer one's trace would take more memory than this machine has free"
+    print(f"longest sequence that fits: {answer} ({how}; the search traced for {time.perf_counter() - start:.0f} s)")
     if args.metrics:  # the plan as one JSON line, for a script to read (python -m harness.bench plans)
         with open(args.metrics, "a") as f:
             f.write(json.dumps({"peak_bytes": here["device"], "host_peak_bytes": here["host"], "longest": n}) + "\n")
@@ -289,10 +293,11 @@ def plan(args, build):
     return fits
 
 
-def longest(peak, S, memory, tolerance, least=1):
+def longest(peak, S, memory, tolerance, least=1, most=lambda longest_seen: math.inf):
     """The longest sequence S >= least with peak(S) <= memory, within `tolerance` (0 if none), from a first guess S.
     A peak grows about linearly with S: each next S is where the line through the last two traces meets `memory`
-    (doubled or halved until there are two), inside what is known and a third of the tolerance past the side unseen."""
+    (doubled or halved until there are two), inside what is known and a third of the tolerance past the side unseen,
+    and at most most(the longest S seen so far): the search ends where the longest S that fits reaches it."""
     lo, hi, seen = 0, math.inf, []  # lo fits (0: none yet), hi does not
     while hi - lo > 1 and (hi > lo * (1 + tolerance) if lo else hi > least):  # none fits yet: try down to least
         seen.append((S, peak(S)))
@@ -302,7 +307,25 @@ def longest(peak, S, memory, tolerance, least=1):
         guess *= 1 - tolerance / 3 if lo == 0 else 1 + tolerance / 3 if hi == math.inf else 1
         guess = min(guess, hi / (1 + tolerance / 3))
         S = min(max(round(guess), math.ceil(lo * (1 + tolerance / 3)), lo + 1, least), hi - 1)
+        if S > (limit := most(max(s for s, _ in seen))):
+            if lo >= limit:
+                break
+            S = limit
     return lo
+
+
+def traceable(held_before, longest_seen, growth=8):
+    """The longest sequence this process may trace next, by what tracing took so far: `growth` times the longest
+    traced, and one whose trace takes 2/3 of the memory the machine has free, at the bytes a token took in the longest
+    trace (its token data is real: B x S ids, labels and positions and their copies, so 10^9 tokens would take more
+    than a laptop has). held_before: this process's peak resident bytes before the first trace."""
+    took = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - held_before  # the largest trace's, about
+    try:
+        with open("/proc/meminfo") as f:
+            free = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration):  # not Linux: the growth alone bounds each step
+        return growth * longest_seen
+    return min(growth * longest_seen, int(longest_seen * free * 2 / 3 / max(took, 2**20)))
 
 
 def check(args, build):
