@@ -44,6 +44,8 @@ from harness import bench, launch
     (1, ["--layer-pattern", "d", "--window", "8"], r"--window shapes softmax attention, and --layer-pattern d has no a "
                                                    r"layer; drop --window, or put an a in --layer-pattern"),
     (1, ["--layer-pattern", "dd", "--sinks"], r"--sinks shapes softmax attention, and --layer-pattern dd has no a "),
+    (1, ["--layer-pattern", "d", "--n-kv-head", "3"], r"--n-kv-head shapes softmax attention, and --layer-pattern d "),
+    (1, ["--layer-pattern", "d", "--rope-base", "5e5"], r"--rope-base shapes softmax attention, and --layer-pattern "),
     (1, ["--gdn-k-heads", "4", "--gdn-v-heads", "6"], r"--gdn-k-heads shapes Gated DeltaNet layers, and "
                                                       r"--layer-pattern a has no d layer; drop it, or put a d in"),
     (1, ["--layer-pattern", "aa", "--gdn-parallel", "context"], r"--gdn-parallel shapes Gated DeltaNet layers, and "),

@@ -212,6 +212,12 @@ def parse_args(argv=None):
 
 def check_args(args, world_size):
     """Fill in the defaults that depend on the world size, and refuse every flag value a run cannot use."""
+    preset = PRESETS.get(args.model, {})  # its values stand in for the defaults: not given
+    for flag, given in (("n-kv-head", args.n_kv_head not in (None, preset.get("n_kv_head"))), ("window", args.window),
+                        ("rope-base", args.rope_base not in (10000.0, preset.get("rope_base"))), ("sinks", args.sinks)):
+        if given and set(args.layer_pattern) == {"d"}:  # before their values' checks
+            fail(f"--{flag} shapes softmax attention, and --layer-pattern {args.layer_pattern} has no a layer; drop "
+                 f"--{flag}, or put an a in --layer-pattern")
     args.sp = world_size if args.sp is None else args.sp
     args.n_kv_head = args.n_head if args.n_kv_head is None else args.n_kv_head
     args.zero = ("3" if world_size > 1 or args.offload_optimizer else "0") if args.zero is None else args.zero
@@ -276,10 +282,6 @@ def check_args(args, world_size):
         fail(f"--sp {args.sp} is larger than the {cfg.gdn_v_heads} value heads of a Gated DeltaNet layer: a rank would "
              f"hold none; choose --sp in {{{', '.join(map(str, sps))}}}, or more --gdn-v-heads, or --gdn-parallel "
              f"context")
-    for flag, given in (("window", args.window), ("sinks", args.sinks)):
-        if given and "a" not in args.layer_pattern:
-            fail(f"--{flag} shapes softmax attention, and --layer-pattern {args.layer_pattern} has no a layer; drop "
-                 f"--{flag}, or put an a in --layer-pattern")
     if args.balance == "documents" and not (args.pack and "d" not in args.layer_pattern):
         fail("--balance documents shares each packed document's work over a ring's ranks: it needs --pack, and no "
              "Gated DeltaNet layers (their context-parallel state runs in the zigzag order); use --balance zigzag")
