@@ -165,7 +165,7 @@ def planned(args, world_size, build, cuda=True, **changed):
     rest, periods, peaks = args.n_layer % period, args.n_layer // period, []
     for rank in traced_ranks(args, world_size):
         if periods <= 3:
-            peak, how = trace(args, world_size, build, cuda, rank), f"{args.n_layer} layers"
+            peak, how = trace(args, world_size, build, cuda, rank), f"{args.n_layer} layer{'s' * (args.n_layer > 1)}"
         else:
             two, three = (trace(argparse.Namespace(**{**vars(args), "n_layer": rest + k * period}), world_size, build,
                                 cuda, rank)["segments"] for k in (2, 3))
