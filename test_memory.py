@@ -159,18 +159,19 @@ def test_the_search_traces_no_longer_than_this_machine_allows(monkeypatch, capsy
     """The line through two traces may aim far past what this machine can trace (a small model's peaks at 32 and 64
     tokens once aimed at 2.7 billion, whose token data alone is 20 GiB): each trace is at most `most` of the longest
     before it, and where the longest that fits reaches it, the search stops and --plan says so. traceable: 8x the
-    longest traced, or less after a trace that took much of the free memory."""
+    longest traced, or less after a trace that took much of the free memory, or a long time."""
     calls = []
     peak = lambda S: calls.append(S) or 10**5 + S  # meets 10**12 bytes near 10**12 tokens
     assert memory.longest(peak, 32, 10**12, 0.01, most=lambda seen: min(8 * seen, 10**6)) == 10**6
     assert max(calls) == 10**6 and all(S <= 8 * max(calls[:i + 1]) for i, S in enumerate(calls[1:])), calls
     held = memory.resource.getrusage(memory.resource.RUSAGE_SELF).ru_maxrss * 1024
-    assert 1000 < memory.traceable(held, 1000) <= 8000 and memory.traceable(held - 2**50, 1000) < 1000
-    monkeypatch.setattr(memory, "traceable", lambda held, seen: min(8 * seen, 5000))
+    assert 1000 < memory.traceable(held, 1000, 1.0) <= 8000 and memory.traceable(held - 2**50, 1000, 1.0) < 1000
+    assert memory.traceable(held, 1000, 120.0) == 500  # a trace of 2 minutes: half as long a sequence next
+    monkeypatch.setattr(memory, "traceable", lambda held, seen, seconds: min(8 * seen, 5000))
     assert train.main(["--plan", "1x80", "--seq-len", "64", "--batch-size", "1", "--n-embd", "16"])
     assert capsys.readouterr().out.splitlines()[-1].startswith("longest sequence that fits: 5,000 tokens or more (a "
-                                                               "longer one's trace would take more memory than this "
-                                                               "machine has free; the search traced for ")
+                                                               "longer one's trace would take a minute, or 2/3 of the "
+                                                               "free memory; the search traced for ")
 
 
 def test_a_plan_prints_the_traced_peak_and_the_longest_sequence(capsys, tmp_path):

@@ -278,12 +278,13 @@ def plan(args, build):
           f"{'fits' if fits else 'does NOT fit'}: {size(here['device'])} of {size(memory)} per GPU for "
           f"{local_tokens(args):,} tokens per rank, and {size(here['host'])} of CPU memory per GPU (the step traced on "
           f"fake tensors, rank {here['rank']}{busiest}, {here['how']}, {here['seconds']:.0f} s{eager})", flush=True)
-    start, peaks = time.perf_counter(), {args.seq_len: here["device"]}
-    n = longest(lambda S: peaks[S] if S in peaks else peaks.setdefault(S, planned(args, world_size, build,
-                seq_len=S)["device"]), args.seq_len, memory, TOLERANCE, args.sp, partial(traceable, held_before))
+    start, traces = time.perf_counter(), {args.seq_len: here}
+    trace = lambda S: traces.get(S) or traces.setdefault(S, planned(args, world_size, build, seq_len=S))
+    n = longest(lambda S: trace(S)["device"], args.seq_len, memory, TOLERANCE, args.sp,
+                lambda S: traceable(held_before, S, traces[S]["seconds"]))
     answer, how = (f"{n:,} tokens", f"within {TOLERANCE:.0%}") if n else ("none", f"within {TOLERANCE:.0%}")
-    if n and not any(S <= n * (1 + TOLERANCE) + 1 for S, peak in peaks.items() if peak > memory):  # stopped short
-        answer, how = f"{n:,} tokens or more", "a longer one's trace would take more memory than this machine has free"
+    if n and not any(S <= n * (1 + TOLERANCE) + 1 for S, t in traces.items() if t["device"] > memory):  # stopped short
+        answer, how = f"{n:,} tokens or more", "a longer one's trace would take a minute, or 2/3 of the free memory"
     print(f"longest sequence that fits: {answer} ({how}; the search traced for {time.perf_counter() - start:.0f} s)")
     if args.metrics:  # the plan as one JSON line, for a script to read (python -m harness.bench plans)
         with open(args.metrics, "a") as f:
@@ -314,18 +315,20 @@ def longest(peak, S, memory, tolerance, least=1, most=lambda longest_seen: math.
     return lo
 
 
-def traceable(held_before, longest_seen, growth=8):
+def traceable(held_before, longest_seen, seconds, growth=8, minute=60):
     """The longest sequence this process may trace next, by what tracing took so far: `growth` times the longest
-    traced, and one whose trace takes 2/3 of the memory the machine has free, at the bytes a token took in the longest
+    traced, one whose trace takes 2/3 of the memory the machine has free, at the bytes a token took in the longest
     trace (its token data is real: B x S ids, labels and positions and their copies, so 10^9 tokens would take more
-    than a laptop has). held_before: this process's peak resident bytes before the first trace."""
+    than a laptop has), and one traced in a minute, at the longest trace's `seconds` a token (Gated DeltaNet's chunk
+    loop runs op by op). held_before: this process's peak resident bytes before the first trace."""
     took = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - held_before  # the largest trace's, about
     try:
         with open("/proc/meminfo") as f:
             free = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
-    except (OSError, StopIteration):  # not Linux: the growth alone bounds each step
-        return growth * longest_seen
-    return min(growth * longest_seen, int(longest_seen * free * 2 / 3 / max(took, 2**20)))
+    except (OSError, StopIteration):  # not Linux: no bound by memory
+        free = math.inf
+    bound = min(free * 2 / 3 / max(took, 2**20), minute / max(seconds, 1e-3))  # times the longest traced
+    return min(growth * longest_seen, int(longest_seen * bound))
 
 
 def check(args, build):
