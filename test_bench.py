@@ -6,6 +6,7 @@ each benchmark refuses, in one line.
 """
 
 import argparse
+import sys
 
 import pytest
 import torch
@@ -154,7 +155,9 @@ BAD_ARGUMENTS = {  # python -m harness.bench ARGV: the one line of its refusal
     "plans --figure /no/such/plans.png": "--figure /no/such/plans.png: there is no folder /no/such to write it into",
     "balance --picture /no/such/work.png": "--picture /no/such/work.png: there is no folder /no/such to write it into",
     "attention --versus /no/such.py": "--versus /no/such.py: No such file or directory",
-    "attention --versus /dev/null": "--versus /dev/null: defines no ulysses_attention; give another copy of ulysses.py"}
+    "attention --versus /dev/null": "--versus /dev/null: defines no ulysses_attention; give another copy of ulysses.py",
+    f"attention --versus {sys.executable}": f"--versus {sys.executable}: defines no ulysses_attention; give another "
+                                            f"copy of ulysses.py"}
 
 
 @pytest.fixture

@@ -84,7 +84,9 @@ def _flip(data, n=64):
      r"shard_00000-of-00001.pt has [\d,]+ bytes, not [\d,]+"),
     ("shard_00000-of-00001.pt", _flip, r"shard_00000-of-00001.pt does not match its SHA-256 \(changed on the disk\)"),
     ("manifest.json", lambda data: data.replace(b'"bytes"', b'"size"'), r"manifest.json is unreadable"),
-], ids=["empty", "truncated", "flipped", "manifest edited"])
+    ("manifest.json", lambda data: re.sub(rb'"bytes": \d+', b'"bytes": Infinity', data),
+     r"manifest.json is unreadable"),
+], ids=["empty", "truncated", "flipped", "manifest edited", "manifest infinite"])
 def test_a_damaged_checkpoint_falls_back_to_the_one_before(tmp_path, one_rank, capsys, name, damage, problem):
     """A checkpoint file emptied, cut short, or with 64 bytes flipped, or a manifest edited into valid JSON without
     the sizes, fails verification: one line says so, the checkpoint is moved aside as it is (step_000006.damaged),

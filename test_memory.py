@@ -159,18 +159,24 @@ def test_the_search_traces_no_longer_than_this_machine_allows(monkeypatch, capsy
     """The line through two traces may aim far past what this machine can trace (a small model's peaks at 32 and 64
     tokens once aimed at 2.7 billion, whose token data alone is 20 GiB): each trace is at most `most` of the longest
     before it, and where the longest that fits reaches it, the search stops and --plan says so. traceable: 8x the
-    longest traced, or less after a trace that took much of the free memory, or a long time."""
+    longest traced, or less after a trace that took much of the free memory, or a minute and more."""
     calls = []
     peak = lambda S: calls.append(S) or 10**5 + S  # meets 10**12 bytes near 10**12 tokens
     assert memory.longest(peak, 32, 10**12, 0.01, most=lambda seen: min(8 * seen, 10**6)) == 10**6
     assert max(calls) == 10**6 and all(S <= 8 * max(calls[:i + 1]) for i, S in enumerate(calls[1:])), calls
+    calls.clear()  # a bound that moves a token a trace: no creeping up to it in steps below the tolerance
+    assert memory.longest(peak, 32, 10**12, 0.01, most=lambda seen: 60_000 + len(calls)) >= 59_000 and len(calls) < 12
+    assert memory.longest(lambda S: S, 1000, 60, 0.01, least=40, most=lambda seen: 50) == 60  # none fits yet: unbound
     held = memory.resource.getrusage(memory.resource.RUSAGE_SELF).ru_maxrss * 1024
-    assert 1000 < memory.traceable(held, 1000, 1.0) <= 8000 and memory.traceable(held - 2**50, 1000, 1.0) < 1000
-    assert memory.traceable(held, 1000, 120.0) == 500  # a trace of 2 minutes: half as long a sequence next
-    monkeypatch.setattr(memory, "traceable", lambda held, seen, seconds: min(8 * seen, 5000))
+    traceable = lambda held, *seconds: memory.traceable(held, {1000 * (i + 1): {"seconds": t} for i, t in
+                                                               enumerate(seconds)})  # traces of 1000, 2000, ... tokens
+    assert 1000 < traceable(held, 1.0) <= 8000 and traceable(held - 2**50, 1.0) < 1000  # memory: 2**50 bytes taken
+    assert traceable(held, 70.0, 70.0) == 16000 and traceable(held, 120.0) == 2000  # time: flat, or twice the first
+    assert traceable(held, 30.0, 60.0) == 2000  # a minute at 2,000 tokens, and growing with them: none longer
+    monkeypatch.setattr(memory, "traceable", lambda held, traces: min(8 * max(traces), 5000))
     assert train.main(["--plan", "1x80", "--seq-len", "64", "--batch-size", "1", "--n-embd", "16"])
     assert capsys.readouterr().out.splitlines()[-1].startswith("longest sequence that fits: 5,000 tokens or more (a "
-                                                               "longer one's trace would take a minute, or 2/3 of the "
+                                                               "longer one's trace would take too long, or 2/3 of the "
                                                                "free memory; the search traced for ")
 
 

@@ -697,14 +697,15 @@ def plans(args):
     gib, settings = args.gib, " ".join(alst_flags(1, args.gib, 1)[6:-4])
     print(f"Llama-3-8B on GPUs of {gib} GiB with ALST's settings (train.py --model llama3-8b {settings}, the tiles as "
           f"S/4,096 and S/2,048 tokens per rank at ALST's S): the longest sequence by train.py --plan's search on "
-          f"traced steps (within 1%), and at ALST's length the traced GPU and CPU memory per GPU, GiB", flush=True)
+          f"traced steps (within 1%; +: or more, as far as this machine traces), and at ALST's length "
+          f"the traced GPU and CPU memory per GPU, GiB", flush=True)
     rows = []
     for gpus in args.gpus:
         start = time.perf_counter()
         with measuring(f"{gpus} GPUs: train.py --plan, its trace and its search"):
             plan = train_run(1, alst_flags(gpus, gib, ALST[gpus]))[0]  # --plan --metrics: one line, the plan's
         rows.append((gpus, plan["longest"]))
-        print(f"{gpus:>3} GPUs: ALST {ALST[gpus]:>10,} | traced {plan['longest']:>10,} "
+        print(f"{gpus:>3} GPUs: ALST {ALST[gpus]:>10,} | traced {plan['longest']:>10,}{'+' * plan['or_more']} "
               f"({time.perf_counter() - start:.0f} s) | at {ALST[gpus]:,}: {plan['peak_bytes'] / 2**30:.1f} GPU, "
               f"{plan['host_peak_bytes'] / 2**30:.1f} CPU" + " (does not fit)" * (plan["peak_bytes"] > gib * 2**30),
               flush=True)
@@ -1161,7 +1162,7 @@ def main(argv=None):
             parser.error(f"--{flag} {getattr(args, flag)}: there is no folder {folder} to write it into")
     if getattr(args, "versus", None):
         try:
-            with open(args.versus) as f:
+            with open(args.versus, errors="replace") as f:
                 found = "def ulysses_attention(" in f.read()
         except OSError as e:
             parser.error(f"--versus {args.versus}: {e.strerror}")

@@ -392,7 +392,7 @@ def verify(path, rank, world_size):
     try:
         with open(os.path.join(path, MANIFEST)) as f:
             files = sorted((name, int(e["bytes"]), str(e["sha256"])) for name, e in json.load(f)["files"].items())
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, OverflowError):  # Infinity: valid JSON
         return f"{MANIFEST} is unreadable"
     for name, size, digest in files[rank::world_size]:
         file = os.path.join(path, name)

@@ -281,14 +281,15 @@ def plan(args, build):
     start, traces = time.perf_counter(), {args.seq_len: here}
     trace = lambda S: traces.get(S) or traces.setdefault(S, planned(args, world_size, build, seq_len=S))
     n = longest(lambda S: trace(S)["device"], args.seq_len, memory, TOLERANCE, args.sp,
-                lambda S: traceable(held_before, S, traces[S]["seconds"]))
+                lambda longest_traced: traceable(held_before, traces))
     answer, how = (f"{n:,} tokens", f"within {TOLERANCE:.0%}") if n else ("none", f"within {TOLERANCE:.0%}")
     if n and not any(S <= n * (1 + TOLERANCE) + 1 for S, t in traces.items() if t["device"] > memory):  # stopped short
-        answer, how = f"{n:,} tokens or more", "a longer one's trace would take a minute, or 2/3 of the free memory"
+        answer, how = f"{n:,} tokens or more", "a longer one's trace would take too long, or 2/3 of the free memory"
     print(f"longest sequence that fits: {answer} ({how}; the search traced for {time.perf_counter() - start:.0f} s)")
     if args.metrics:  # the plan as one JSON line, for a script to read (python -m harness.bench plans)
         with open(args.metrics, "a") as f:
-            f.write(json.dumps({"peak_bytes": here["device"], "host_peak_bytes": here["host"], "longest": n}) + "\n")
+            f.write(json.dumps({"peak_bytes": here["device"], "host_peak_bytes": here["host"], "longest": n,
+                                "or_more": answer.endswith("or more")}) + "\n")
     if not fits:
         raise SystemExit(1)
     return fits
@@ -308,27 +309,31 @@ def longest(peak, S, memory, tolerance, least=1, most=lambda longest_seen: math.
         guess *= 1 - tolerance / 3 if lo == 0 else 1 + tolerance / 3 if hi == math.inf else 1
         guess = min(guess, hi / (1 + tolerance / 3))
         S = min(max(round(guess), math.ceil(lo * (1 + tolerance / 3)), lo + 1, least), hi - 1)
-        if S > (limit := most(max(s for s, _ in seen))):
-            if lo >= limit:
+        if lo and S > (limit := most(max(s for s, _ in seen))):  # (none fits yet: shorter traces cost less)
+            if lo >= limit / (1 + tolerance / 3):  # no step of a third of the tolerance left below it
                 break
             S = limit
     return lo
 
 
-def traceable(held_before, longest_seen, seconds, growth=8, minute=60):
-    """The longest sequence this process may trace next, by what tracing took so far: `growth` times the longest
-    traced, one whose trace takes 2/3 of the memory the machine has free, at the bytes a token took in the longest
-    trace (its token data is real: B x S ids, labels and positions and their copies, so 10^9 tokens would take more
-    than a laptop has), and one traced in a minute, at the longest trace's `seconds` a token (Gated DeltaNet's chunk
-    loop runs op by op). held_before: this process's peak resident bytes before the first trace."""
+def traceable(held_before, traces, growth=8, minute=60):
+    """The longest sequence this process may trace next, by what the traces so far took (traces: {S: planned's dict},
+    the first traced first): `growth` times the longest traced; one whose trace takes 2/3 of the memory the machine
+    has free, at the bytes a token took in the longest trace (its token data is real: B x S ids, labels and positions
+    and their copies, so 10^9 tokens would take more than a laptop has); and one whose trace takes a minute, or twice
+    the first trace's time if longer, on the line through the two longest traces' times (through 0 while there is one:
+    Gated DeltaNet's chunk loop runs op by op, so its time grows with S; attention's barely does).
+    held_before: this process's peak resident bytes before the first trace."""
+    (a, ta), (b, tb) = ([(0, 0.0)] + sorted((S, t["seconds"]) for S, t in traces.items()))[-2:]
+    budget = max(minute, 2 * next(iter(traces.values()))["seconds"])
+    by_time = b + (budget - tb) * (b - a) / (tb - ta) if tb > ta else math.inf
     took = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - held_before  # the largest trace's, about
     try:
         with open("/proc/meminfo") as f:
             free = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
     except (OSError, StopIteration):  # not Linux: no bound by memory
         free = math.inf
-    bound = min(free * 2 / 3 / max(took, 2**20), minute / max(seconds, 1e-3))  # times the longest traced
-    return min(growth * longest_seen, int(longest_seen * bound))
+    return int(min(growth * b, b * free * 2 / 3 / max(took, 2**20), by_time))
 
 
 def check(args, build):
