@@ -112,7 +112,8 @@ def summary(args, history, model, optimizer, n_params, run, traced):
           f"({run.world_size} rank{'s' * (run.world_size > 1)}, {seconds:.1f} s)")
     print(f"model state per rank (max over ranks): params {mib(params)} + grads {mib(grads)} + optimizer "
           f"{mib(optim)} = {mib(params + grads + optim)}{' in host memory' * args.offload_optimizer}; unsharded fp32 "
-          f"{mib(16 * n_params)}, / {run.world_size} ranks = {mib(16 * n_params / run.world_size)}")
+          f"{mib(16 * n_params)}, / {run.world_size} rank{'s' * (run.world_size > 1)} = "
+          f"{mib(16 * n_params / run.world_size)}")
     how = "torch.cuda.max_memory_allocated" if run.device.type == "cuda" else "storages counted, last step"
     traced_as = lambda key: f" (traced {mib(traced[key])})" if traced else ""  # memory.check's, on CUDA
     host = history[-1]["host_peak_bytes"]  # counted on a GPU with an offload; a CPU's host is the memory counted
