@@ -173,11 +173,35 @@ def test_the_search_traces_no_longer_than_this_machine_allows(monkeypatch, capsy
     assert 1000 < traceable(held, 1.0) <= 8000 and traceable(held - 2**50, 1.0) < 1000  # memory: 2**50 bytes taken
     assert traceable(held, 70.0, 70.0) == 16000 and traceable(held, 120.0) == 2000  # time: flat, or twice the first
     assert traceable(held, 30.0, 60.0) == 2000  # a minute at 2,000 tokens, and growing with them: none longer
+    monkeypatch.setattr(memory, "free_memory", lambda: 2**40)  # a machine with a TiB free: the time and growth bounds
+    assert traceable(held, 1.0) == 8000
+    monkeypatch.setattr(memory, "free_memory", lambda: 2**20 // 2)  # half a MiB free: nothing longer
+    assert traceable(held, 1.0) < 1000
     monkeypatch.setattr(memory, "traceable", lambda held, traces: min(8 * max(traces), 5000))
     assert train.main(["--plan", "1x80", "--seq-len", "64", "--batch-size", "1", "--n-embd", "16"])
     assert capsys.readouterr().out.splitlines()[-1].startswith("longest sequence that fits: 5,000 tokens or more (a "
                                                                "longer one's trace would take too long, or 2/3 of the "
                                                                "free memory; the search traced for ")
+
+
+def test_free_memory_is_the_machines_within_its_containers_limit(tmp_path):
+    """free_memory: MemAvailable from /proc/meminfo, within a container's cgroup limit less what it uses (version 2,
+    or 1), never above the machine's; a limit of "max", or no file at all, is no bound."""
+    def machine(files):
+        root = tmp_path / str(len(list(tmp_path.iterdir())))
+        for path, text in files.items():
+            (root / path).parent.mkdir(parents=True, exist_ok=True)
+            (root / path).write_text(text)
+        return memory.free_memory(root)
+    meminfo = {"proc/meminfo": "MemTotal:       33554432 kB\nMemAvailable:    8388608 kB\n"}  # 8 GiB available
+    v2 = lambda limit, used: {"sys/fs/cgroup/memory.max": limit, "sys/fs/cgroup/memory.current": f"{used}\n"}
+    v1 = {"sys/fs/cgroup/memory/memory.limit_in_bytes": f"{2**31}\n", "sys/fs/cgroup/memory/memory.usage_in_bytes": "0"}
+    assert machine(meminfo) == 8 * 2**30
+    assert machine({**meminfo, **v2(f"{4 * 2**30}\n", 2**30)}) == 3 * 2**30  # a limit of 4 GiB, 1 GiB used
+    assert machine({**meminfo, **v2(f"{64 * 2**30}\n", 0)}) == 8 * 2**30  # a limit above what the machine has
+    assert machine({**meminfo, **v2("max\n", 2**30)}) == 8 * 2**30
+    assert machine({**meminfo, **v1}) == 2 * 2**30
+    assert machine({}) == float("inf")
 
 
 def test_a_plan_prints_the_traced_peak_and_the_longest_sequence(capsys, tmp_path):

@@ -13,10 +13,12 @@ import math
 import os
 import re
 import resource
+import sys
 import time
 import weakref
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager, nullcontext, suppress
 from functools import partial
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -268,7 +270,7 @@ def plan(args, build):
     read_data(args)  # the run's own --data, before a trace of minutes; so is --metrics
     if args.metrics:
         check_metrics(args.metrics)
-    held_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+    held_before = peak_resident_bytes()
     here = planned(args, world_size, build)
     fits, usp = here["device"] <= memory, f" (ulysses {args.sp // args.ring} x ring {args.ring})" * (args.ring > 1)
     eager = "; eager, as --compile is not traced" * args.compile
@@ -327,13 +329,28 @@ def traceable(held_before, traces, growth=8, minute=60):
     (a, ta), (b, tb) = ([(0, 0.0)] + sorted((S, t["seconds"]) for S, t in traces.items()))[-2:]
     budget = max(minute, 2 * next(iter(traces.values()))["seconds"])
     by_time = b + (budget - tb) * (b - a) / (tb - ta) if tb > ta else math.inf
-    took = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - held_before  # the largest trace's, about
-    try:
-        with open("/proc/meminfo") as f:
-            free = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
-    except (OSError, StopIteration):  # not Linux: no bound by memory
-        free = math.inf
-    return int(min(growth * b, b * free * 2 / 3 / max(took, 2**20), by_time))
+    took = peak_resident_bytes() - held_before  # the largest trace's, about
+    return int(min(growth * b, b * free_memory() * 2 / 3 / max(took, 2**20), by_time))
+
+
+def peak_resident_bytes():  # this process's largest resident set so far (ru_maxrss: KiB on Linux, bytes on macOS)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+
+
+def free_memory(root="/"):
+    """The bytes free for a trace: Linux's MemAvailable, within the memory limit of the cgroup mounted at
+    /sys/fs/cgroup (a container's; version 2 or 1) where it sets one; inf where neither is found (no bound by memory).
+    root: where to look, for tests."""
+    read = lambda path: Path(root, path).read_text()
+    free = math.inf
+    with suppress(OSError, StopIteration, ValueError):
+        free = next(int(line.split()[1]) * 1024 for line in read("proc/meminfo").splitlines()
+                    if line.startswith("MemAvailable:"))
+    v1 = "memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes"
+    for limit, used in (("memory.max", "memory.current"), v1):
+        with suppress(OSError, ValueError):  # no such file, or "max": no limit
+            free = min(free, int(read(f"sys/fs/cgroup/{limit}")) - int(read(f"sys/fs/cgroup/{used}")))
+    return free
 
 
 def check(args, build):
