@@ -233,9 +233,9 @@ class GPT(nn.Module):
         """idx, position_ids, labels: [B, S_local], this rank's tokens; position_ids in the full sequence, or with
         packed=True in each document (0 where one starts); token_index: shard_for_ring's, a ring's layout over packed
         documents (else zigzag). Returns logits [B, S_local, vocab], or with labels (loss sum, correct tokens)."""
-        if any(t is not None and t.shape != idx.shape for t in (position_ids, labels)):  # else fails far from here
-            raise ValueError(f"GPT.forward: idx {tuple(idx.shape)}, position_ids {tuple(position_ids.shape)}, labels "
-                             f"{labels if labels is None else tuple(labels.shape)}: want both of idx's, [B, S_local]")
+        x, p, y = (None if t is None else tuple(t.shape) for t in (idx, position_ids, labels))
+        if p != x or y not in (None, x):  # else fails far from here
+            raise ValueError(f"GPT.forward: idx {x}, position_ids {p}, labels {y}: want both of idx's, [B, S_local]")
         check_shards(idx, self.sp_group), check_shards(idx, self.ring_group)  # before a mismatch could hang
         kernels = self.make_kernels(position_ids, packed, token_index)  # {"a": softmax's kernel, "d": DeltaNet's}
         x = at_least_float32(self.embed(idx))  # (B, S_local, h); the residual stream stays float32 under bf16

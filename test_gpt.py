@@ -157,8 +157,8 @@ def test_packed_batch_equals_documents_alone(pattern):
 @pytest.mark.parametrize("wrong", ["position_ids", "labels"])
 @pytest.mark.parametrize("shape", [(2, 5), (4,), (2, 3)], ids=["one-too-long", "1d", "one-too-short"])
 def test_position_ids_or_labels_of_the_wrong_shape_are_named(wrong, shape):
-    """GPT.forward with position ids or labels of another shape than the tokens': one line naming each with its shape
-    and the shape they want, before RoPE could broadcast them or the loss fail with a message about other tensors."""
+    """GPT.forward with position ids or labels of another shape than the tokens' (or no position ids): one line naming
+    each with its shape and the shape they want, before RoPE could broadcast them or the loss fail elsewhere."""
     model = _packed_model(None, "a")
     idx = torch.zeros(2, 4, dtype=torch.long)
     given = {"position_ids": idx, "labels": idx if wrong == "labels" else None, wrong: torch.zeros(shape).long()}
@@ -166,6 +166,8 @@ def test_position_ids_or_labels_of_the_wrong_shape_are_named(wrong, shape):
     with pytest.raises(ValueError, match=rf"^GPT.forward: idx \(2, 4\), position_ids {re.escape(str(shapes[0]))}, "
                                          rf"labels {re.escape(str(shapes[1]))}: want both of idx's, \[B, S_local\]$"):
         model(idx, **given)
+    with pytest.raises(ValueError, match=r"^GPT.forward: idx \(2, 4\), position_ids None, labels None: "):
+        model(idx, None)  # no position ids at all: named too
 
 
 def _assert_the_ways_agree(cfg, ways, labels_ignored=False):
