@@ -88,9 +88,9 @@ def train(args, run, resume_from, traced=None):
 
 
 def build(args, world_size, mesh, device, host=torch.device("cpu")):
-    """(model on `device`, zero: its ZeRO-3 sharding or None, optimizer, parameter count, step(i, documents), which runs
-    optimizer step i of this rank on its micro-batches: steps 1 to 7). host: where --offload and --offload-optimizer
-    keep what they move off the device. memory.py runs it on fake tensors (memory.trace)."""
+    """(model on `device`, zero: its ZeRO-3 sharding or None, optimizer, parameter count, train_on(i, documents),
+    which runs optimizer step i of this rank on its micro-batches: steps 1 to 7). host: where --offload and
+    --offload-optimizer keep what they move off the device. memory.py runs it on fake tensors (memory.trace)."""
     torch.manual_seed(args.seed)  # every rank builds the same initial model
     # process groups: the mesh is dp x ring x ulysses (sp = ring x ulysses: no group of its own), row-major: a Ulysses
     # group's ranks are consecutive (the fastest links). The ulysses group runs the all-to-alls; the ring group passes
@@ -114,11 +114,11 @@ def build(args, world_size, mesh, device, host=torch.device("cpu")):
     optimizer = torch.optim.AdamW(zero.parameters() if zero else model.parameters(), lr=args.lr, betas=(0.9, 0.95),
                                   weight_decay=args.weight_decay)
 
-    def step(i, documents=None):
+    def train_on(i, documents=None):
         batches = [load_micro_batch(args, documents, i, micro, dp, mesh.get_local_rank("dp"), sp_groups, device)
                    for micro in range(args.grad_accum)]
         return train_step(i, batches, model, zero, optimizer, args)
-    return model, zero, optimizer, n_params, step
+    return model, zero, optimizer, n_params, train_on
 
 
 def load_micro_batch(args, documents, step, micro, dp, dp_rank, sp_groups, device):

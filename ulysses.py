@@ -71,7 +71,7 @@ def ulysses_attention(q, k, v, group=None, attn_fn=None, check=True, sinks=None,
     q = seq_to_heads(q, group, query_heads)  # (B, S, hq, D)
     k, v = seq_to_heads(k, group, kv_heads), seq_to_heads(v, group, kv_heads)  # (B, S, hkv, D)
     kernel_kv = kernel_kv_heads(n_head, n_kv_head, P, rank)
-    if kernel_kv != list(range(len(kv_heads[rank]))):  # not SDPA's pairing (kernel_kv_heads): a kv head per query head
+    if kernel_kv != list(range(len(kv_heads[rank]))):  # kv heads not in SDPA's grouped order: one per query head
         k, v = k[:, :, kernel_kv], v[:, :, kernel_kv]  # (B, S, hkv, D) -> (B, S, hq, D)
     return heads_to_seq(attn_fn(q, k, v, **attn_kwargs), group, query_heads)  # (B, S/P, Hq, D)
 
@@ -161,7 +161,7 @@ def _exchange(x: torch.Tensor, head_bounds: list[int], to_heads: bool, group_nam
               counted_as: str) -> torch.Tensor:
     """One all-to-all, an operator so that torch.compile traces through it unbroken. To heads, I send uneven pieces
     (rank j's heads at my tokens) and receive even ones (my heads at rank i's tokens); back, the mirror. The group
-    travels by name, the heads as flat bounds; counted_as: "forward" from the wrappers, "backward" from its backward."""
+    travels by name, the heads as flat bounds; counted_as: the pass whose bytes this adds to, not the direction."""
     group = _resolve_process_group(group_name)
     heads = [range(a, b) for a, b in zip(head_bounds[::2], head_bounds[1::2])]  # heads[j]: rank j's, P of them
     if to_heads:  # x: (B, S/P, H, D), my tokens of every head
@@ -310,7 +310,7 @@ def _every_rank(numbers, device, group):
 
 
 def size_and_rank(group):
-    """(P, this process's rank in the group); (1, 0) for group=None, which means no communication."""
+    """(P, this process's rank in the group); (1, 0) for group=None: one rank, no communication (not WORLD)."""
     return (1, 0) if group is None else (dist.get_world_size(group), dist.get_rank(group))
 
 

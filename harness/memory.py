@@ -195,7 +195,7 @@ def trace(args, world_size, build, cuda, rank=None):
         mesh, host = device_mesh(args, world_size, "cpu"), torch.device("meta" if cuda else "cpu")
         with FakeTensors(), peers(mesh) if args.pack else nullcontext(), works_hold_tensors(), \
                 as_on_cuda() if cuda else nullcontext():
-            model, zero, optimizer, _, step = build(args, world_size, mesh, torch.device("cpu"), host)
+            model, zero, optimizer, _, train_on = build(args, world_size, mesh, torch.device("cpu"), host)
             if args.steps > 1:  # AdamW's state, made by a step on zero gradients
                 for p in (p for group in optimizer.param_groups for p in group["params"]):
                     p.grad = torch.zeros_like(p)
@@ -204,7 +204,7 @@ def trace(args, world_size, build, cuda, rank=None):
             existing = PeakMemory(model, optimizer, zero, torch.device("cpu")).existing  # a list held no longer
             with StorageBytes(existing(), inside_operators=True, host=host.type if cuda else None) as counter:
                 mark, segments = in_segments(counter, model, optimizer, len(args.layer_pattern))
-                step(args.steps - 1, documents)
+                train_on(args.steps - 1, documents)
                 mark("end")
     finally:
         dist.destroy_process_group()
