@@ -78,6 +78,15 @@ def _flip(data, n=64):
     return data[:middle] + bytes(b ^ 0xFF for b in data[middle:middle + n]) + data[middle + n:]
 
 
+def _manifest(change):
+    """A damage of manifest.json that is valid JSON: change(manifest) edits the parsed manifest in place."""
+    def damage(data):
+        manifest = json.loads(data)
+        change(manifest)
+        return json.dumps(manifest).encode()
+    return damage
+
+
 @pytest.mark.parametrize("name, damage, problem", [
     ("trainer.pt", lambda data: b"", r"trainer.pt has 0 bytes, not [\d,]+"),
     ("shard_00000-of-00001.pt", lambda data: data[:len(data) // 2],
@@ -86,11 +95,18 @@ def _flip(data, n=64):
     ("manifest.json", lambda data: data.replace(b'"bytes"', b'"size"'), r"manifest.json is unreadable"),
     ("manifest.json", lambda data: re.sub(rb'"bytes": \d+', b'"bytes": Infinity', data),
      r"manifest.json is unreadable"),
-], ids=["empty", "truncated", "flipped", "manifest edited", "manifest infinite"])
+    *[("manifest.json", _manifest(lambda m: m["files"].pop(file)), r"manifest.json does not list a whole checkpoint: "
+       r"trainer.pt, and shard_R-of-N.pt for each R < N") for file in ("trainer.pt", "shard_00000-of-00001.pt")],
+    ("manifest.json", _manifest(lambda m: m.update(step=9)), r"manifest.json is of step 9, another than its folder's "
+     r"name says"),
+], ids=["empty", "truncated", "flipped", "manifest edited", "manifest infinite", "manifest without trainer.pt",
+        "manifest without a shard", "manifest of another step"])
 def test_a_damaged_checkpoint_falls_back_to_the_one_before(tmp_path, one_rank, capsys, name, damage, problem):
     """A checkpoint file emptied, cut short, or with 64 bytes flipped, or a manifest edited into valid JSON without
-    the sizes, fails verification: one line says so, the checkpoint is moved aside as it is (step_000006.damaged),
-    the run resumes from the checkpoint before it, and its steps equal the run that never stopped."""
+    the sizes, without a file of the checkpoint, or of another step than its folder's name (a folder renamed: the
+    newest by its name would not be), fails verification: one line says so, the checkpoint is moved aside as it is
+    (step_000006.damaged), the run resumes from the checkpoint before it, and its steps equal the run that never
+    stopped."""
     out_dir = tmp_path / "run"
     straight = train.main(SHORT_RUN + ["--out-dir", str(out_dir)])
     part = out_dir / "step_000006" / name
@@ -134,7 +150,8 @@ def test_checkpoints_that_cannot_be_used_are_refused(tmp_path, one_rank, monkeyp
     with pytest.raises(SystemExit, match=r"already holds checkpoints; add --resume to continue from step_000006"):
         train.main(SHORT_RUN + ["--out-dir", str(out_dir)])  # never overwritten by accident
     with pytest.raises(SystemExit, match=r"checkpoint \S+step_000006 holds another model \(--n-embd: 32 there, 64 "
-                                         r"here; .*\); resume with its flags, or choose another --out-dir$"):
+                                         r"here; --intermediate-size: 128 there, 256 here\); resume with its flags, "
+                                         r"or choose another --out-dir$"):  # no Gated DeltaNet flag: no d layer
         train.main(SHORT_RUN + ["--out-dir", str(out_dir), "--resume", "--n-embd", "64"])
     assert [r["step"] for r in train.main(SHORT_RUN + ["--out-dir", str(out_dir), "--resume", "--steps", "7",
                                                        "--new-schedule"])] == [7]
@@ -352,6 +369,15 @@ def test_checkpoints_are_listed_by_the_names_found(tmp_path):
         (tmp_path / name / checkpoint.MANIFEST).write_text("{}")
     assert checkpoint.checkpoints(tmp_path) == [os.path.join(tmp_path, name) for name in ("step_000010", "step_3",
                                                                                           "step_02")]
+
+
+@pytest.mark.limit(20)
+def test_a_save_whose_folders_are_gone_ends_at_the_timeout(tmp_path):
+    """A rank waiting for a checkpoint whose .tmp folder is gone and whose final folder never comes (taken away by
+    hand) gives up after --timeout, as it does when a peer falls silent, rather than wait forever."""
+    with pytest.raises(launch.Mistake, match=r"step_000003.tmp: ranks \[0, 1\] gave no sign of life for --timeout "
+                                             r"0.5 s"):
+        checkpoint.wait_for_markers(str(tmp_path / "step_000003.tmp"), str(tmp_path / "step_000003"), 2, 1, 0.5)
 
 
 def test_a_save_slower_than_the_timeout_completes(tmp_path):

@@ -21,8 +21,9 @@ then a small marker naming them. The ranks wait for the markers on the file syst
 writing has no --timeout deadline; a heartbeat file shows a rank alive however slow its disk. Rank 0 then writes
 the manifest and renames the directory: a directory without .tmp is whole.
 
-Resuming (`find`, `restore`): the ranks share the checking of every file against the manifest. A checkpoint that
-fails it is named in one line and moved aside (.damaged), and the one before it is tried. An flock on the
+Resuming (`find`, `restore`): the ranks share the checking of every file against the manifest, which must list a
+whole checkpoint of the step its folder names. A checkpoint that fails it is named in one line and moved aside
+(.damaged), and the one before it is tried. An flock on the
 out-dir keeps a second live run out (`out_dir`, `lock_out_dir`).
 """
 
@@ -302,15 +303,16 @@ def wait_for_markers(directory, final, world_size, rank, timeout):
         if any(m["problem"] for m in markers.values()) or (len(markers) == world_size if rank == 0 else
                                                            os.path.exists(os.path.join(final, MANIFEST))):
             return markers
-        with suppress(FileNotFoundError):  # the directory itself goes when rank 0 renames it
+        now = None  # the directory itself goes when rank 0 renames it (and if final went too, nothing comes)
+        with suppress(FileNotFoundError):
             now = sorted((entry.name, entry.stat().st_size, entry.stat().st_mtime_ns)
                          for entry in os.scandir(directory))
-            if now != seen:
-                seen, since = now, time.monotonic()
-            elif time.monotonic() - since > timeout:
-                missing = sorted(set(range(world_size)) - set(markers)) or [0]
-                fail(f"checkpoint {directory}: ranks {missing} gave no sign of life for --timeout {timeout:g} s (a "
-                     f"peer process died, or hangs)", alike=False)
+        if now != seen:
+            seen, since = now, time.monotonic()
+        elif time.monotonic() - since > timeout:
+            missing = sorted(set(range(world_size)) - set(markers)) or [0]
+            fail(f"checkpoint {directory}: ranks {missing} gave no sign of life for --timeout {timeout:g} s (a "
+                 f"peer process died, or hangs)", alike=False)
         time.sleep(0.05)
 
 
@@ -369,8 +371,10 @@ def find(args, world_size, control, lr_at, data_sha256):
     if trainer["step"] > args.steps:
         fail(f"checkpoint {path} is past --steps {args.steps}: it has done {trainer['step']} steps")
     if {**run["model"], **trainer["model"]} != run["model"]:  # a field the checkpoint lacks: as resolved
+        deltanet = "d" in run["model"]["layer_pattern"] + trainer["model"].get("layer_pattern", "")  # else no gdn flag
         differ = "; ".join(f"--{name.replace('_', '-')}: {value} there, {run['model'].get(name)} here"
-                           for name, value in trainer["model"].items() if run["model"].get(name) != value)
+                           for name, value in trainer["model"].items()
+                           if run["model"].get(name) != value and (deltanet or not name.startswith("gdn_")))
         fail(f"checkpoint {path} holds another model ({differ}); resume with its flags, or choose another --out-dir")
     if trainer["schedule"] != run["schedule"] and not args.new_schedule:
         was = argparse.Namespace(**{**vars(args), **trainer["schedule"]})
@@ -387,13 +391,21 @@ def find(args, world_size, control, lr_at, data_sha256):
 
 
 def verify(path, rank, world_size):
-    """The first problem with this rank's share of the checkpoint's files (every world_size-th, from the rank-th),
-    or None: each must have the size and the SHA-256 that the manifest gives."""
+    """The first problem with the checkpoint's manifest (it lists trainer.pt and one shard for each rank that wrote,
+    of the step in the checkpoint's name) or with this rank's share of its files (every world_size-th, from the
+    rank-th), or None: each must have the size and the SHA-256 that the manifest gives."""
     try:
         with open(os.path.join(path, MANIFEST)) as f:
-            files = sorted((name, int(e["bytes"]), str(e["sha256"])) for name, e in json.load(f)["files"].items())
+            manifest = json.load(f)
+        step = int(manifest["step"])
+        files = sorted((name, int(e["bytes"]), str(e["sha256"])) for name, e in manifest["files"].items())
     except (OSError, ValueError, KeyError, TypeError, AttributeError, OverflowError):  # Infinity: valid JSON
         return f"{MANIFEST} is unreadable"
+    if f"step_{step:06d}" != os.path.basename(os.path.normpath(path)):  # renamed: the newest by name is not
+        return f"{MANIFEST} is of step {step}, another than its folder's name says"
+    n = max(1, sum(name.startswith("shard_") for name, _, _ in files))  # the ranks that wrote it
+    if {name for name, _, _ in files} != {"trainer.pt", *(f"shard_{r:05d}-of-{n:05d}.pt" for r in range(n))}:
+        return f"{MANIFEST} does not list a whole checkpoint: trainer.pt, and shard_R-of-N.pt for each R < N"
     for name, size, digest in files[rank::world_size]:
         file = os.path.join(path, name)
         try:
