@@ -23,8 +23,8 @@ the manifest and renames the directory: a directory without .tmp is whole.
 
 Resuming (`find`, `restore`): the ranks share the checking of every file against the manifest, which must list a
 whole checkpoint of the step its folder names. A checkpoint that fails it is named in one line and moved aside
-(.damaged), and the one before it is tried. An flock on the
-out-dir keeps a second live run out (`out_dir`, `lock_out_dir`).
+(.damaged), and the one before it is tried. An flock on the out-dir keeps a second live run out (`out_dir`,
+`lock_out_dir`).
 """
 
 import argparse
