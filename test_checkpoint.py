@@ -261,6 +261,19 @@ def test_a_resume_notes_data_of_other_bytes(tmp_path, one_rank, capsys, text_fil
                                                r".*\}, so its steps will not repeat the original run's", notes[1][0])
 
 
+def test_packed_text_resumes_under_another_seed_without_a_note(tmp_path, one_rank, capsys, text_file):
+    """Packed text is read in order whatever --seed (data.make_sample): a resume that changes only --seed says
+    nothing, and its steps are the original run's."""
+    out_dir = tmp_path / "run"
+    packed = SHORT_RUN + ["--out-dir", str(out_dir), "--data", str(text_file), "--pack"]
+    straight = train.main(packed)
+    shutil.rmtree(out_dir / "step_000006")
+    capsys.readouterr()
+    resumed = train.main(packed + ["--resume", "--seed", "5"])
+    assert "note:" not in capsys.readouterr().out
+    assert [r["loss"] for r in resumed] == [r["loss"] for r in straight[3:]]
+
+
 def test_metrics_lines_cut_short_are_dropped_on_resume(tmp_path, one_rank, capsys):
     """A blank line and a line cut short (a full disk, two runs on one file) in --metrics: a resume drops them,
     says how many, and writes every step's line again."""

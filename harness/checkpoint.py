@@ -175,7 +175,8 @@ def run_flags(args, world_size, data_sha256):
     what fixes the learning rate of every step, and what else shapes an update."""
     global_batch = world_size // args.sp * args.batch_size * args.grad_accum
     return {"model": model_flags(args),
-            "data": {"seed": args.seed, "seq_len": args.seq_len, "global_batch": global_batch,
+            "data": {"seed": None if args.data and args.pack else args.seed,  # packed text: read in order, any seed
+                     "seq_len": args.seq_len, "global_batch": global_batch,
                      "data": data_sha256 and f"SHA-256 {data_sha256[:16]}", "pack": args.pack},
             "schedule": {"steps": args.steps, "lr": args.lr, "warmup": args.warmup},
             "update": {"weight_decay": args.weight_decay, "grad_clip": args.grad_clip}}
