@@ -144,7 +144,11 @@ def test_a_checkpoint_the_disk_cannot_read_falls_back_to_the_one_before(tmp_path
 
 def test_checkpoints_that_cannot_be_used_are_refused(tmp_path, one_rank, monkeypatch):
     out_dir = tmp_path / "run"
-    with pytest.raises(SystemExit, match=r"--resume: no complete checkpoint in --out-dir"):
+    with pytest.raises(SystemExit, match=r"--resume: no complete checkpoint in --out-dir \S+ \(no such folder\)$"):
+        train.main(SHORT_RUN + ["--out-dir", str(out_dir), "--resume"])
+    assert not out_dir.exists()  # not made for nothing
+    out_dir.mkdir()
+    with pytest.raises(SystemExit, match=r"--resume: no complete checkpoint in --out-dir \S+$"):
         train.main(SHORT_RUN + ["--out-dir", str(out_dir), "--resume"])
     train.main(SHORT_RUN + ["--out-dir", str(out_dir)])
     with pytest.raises(SystemExit, match=r"already holds checkpoints; add --resume to continue from step_000006"):

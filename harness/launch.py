@@ -457,6 +457,8 @@ def this_machine(args):
     documents = read_data(args)
     if int(os.environ.get("RANK", 0)) == 0 and args.metrics:
         check_metrics(args.metrics)
+    if args.out_dir is not None and args.resume and not os.path.isdir(args.out_dir):  # no folder made for nothing
+        fail(f"--resume: no complete checkpoint in --out-dir {args.out_dir} (no such folder)")
     if args.out_dir is not None:
         make_folder("--out-dir", args.out_dir)
     return documents, None if documents is None else documents.sha256
