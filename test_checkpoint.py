@@ -228,17 +228,29 @@ def test_a_changed_schedule_is_refused_on_resume(tmp_path, one_rank, changed, ch
     assert train.main(resume + ["--new-schedule"])[0]["step"] == 4
 
 
-def test_a_resume_notes_another_weight_decay_or_clipping(tmp_path, one_rank, capsys):
-    """--weight-decay and --grad-clip shape every update after the checkpoint's: a resume with other values says so."""
+def test_a_resume_notes_another_weight_decay_clipping_or_dtype(tmp_path, one_rank, capsys):
+    """--weight-decay, --grad-clip and --dtype shape every update after the checkpoint's: a resume with other values
+    says so. A checkpoint that records less (an older train.py's) is held to what it records."""
     out_dir = tmp_path / "run"
     train.main(SHORT_RUN + ["--out-dir", str(out_dir)])
-    for changed in (["--weight-decay", "0.5"], ["--grad-clip", "0"]):
+    was = {"weight_decay": 0.0, "grad_clip": 1.0, "dtype": "float32"}
+    for changed in (["--weight-decay", "0.5"], ["--grad-clip", "0"], ["--dtype", "bfloat16"]):
         shutil.rmtree(out_dir / "step_000006")
         capsys.readouterr()
         train.main(SHORT_RUN + ["--out-dir", str(out_dir), "--resume"] + changed)
-        run = {"weight_decay": 0.0, "grad_clip": 1.0} | {changed[0][2:].replace("-", "_"): float(changed[1])}
-        assert (f"note: the checkpoint was trained with {{'weight_decay': 0.0, 'grad_clip': 1.0}}; this run has "
-                f"{run}, so its steps will not repeat the original run's") in capsys.readouterr().out, changed
+        run = was | {changed[0][2:].replace("-", "_"): changed[1] if changed[0] == "--dtype" else float(changed[1])}
+        assert (f"note: the checkpoint was trained with {was}; this run has {run}, so its steps will not repeat the "
+                f"original run's") in capsys.readouterr().out, changed
+    shutil.rmtree(out_dir / "step_000006")
+    step_3 = out_dir / "step_000003"
+    trainer = torch.load(step_3 / "trainer.pt", weights_only=True)
+    trainer["update"] = {"weight_decay": 0.0, "grad_clip": 1.0}  # as written before the dtype was recorded
+    manifest = json.loads((step_3 / "manifest.json").read_text())
+    manifest["files"].update(checkpoint.write_files(str(step_3), {"trainer.pt": trainer}))
+    (step_3 / "manifest.json").write_text(json.dumps(manifest))
+    capsys.readouterr()
+    train.main(SHORT_RUN + ["--out-dir", str(out_dir), "--resume", "--dtype", "bfloat16"])
+    assert "note:" not in capsys.readouterr().out
 
 
 def test_a_resume_notes_data_of_other_bytes(tmp_path, one_rank, capsys, text_file):

@@ -179,7 +179,7 @@ def run_flags(args, world_size, data_sha256):
                      "seq_len": args.seq_len, "global_batch": global_batch,
                      "data": data_sha256 and f"SHA-256 {data_sha256[:16]}", "pack": args.pack},
             "schedule": {"steps": args.steps, "lr": args.lr, "warmup": args.warmup},
-            "update": {"weight_decay": args.weight_decay, "grad_clip": args.grad_clip}}
+            "update": {"weight_decay": args.weight_decay, "grad_clip": args.grad_clip, "dtype": args.dtype}}
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -384,9 +384,10 @@ def find(args, world_size, control, lr_at, data_sha256):
         fail(f"{changed} against checkpoint {path} would move the learning rate of step {trainer['step'] + 1} from "
              f"{lr_at(trainer['step'], was):.3g} to {lr_at(trainer['step'], args):.3g}; resume with the checkpoint's "
              f"values, or add --new-schedule to accept it")
-    for what in ("data", "update"):  # may change, with a note (an older checkpoint records no "update")
-        if rank == 0 and trainer.get(what, run[what]) != run[what]:
-            print(f"note: the checkpoint was trained with {trainer[what]}; this run has {run[what]}, so its steps "
+    for what in ("data", "update"):  # may change, with a note; of what the checkpoint records (older: less)
+        recorded = trainer.get(what, {})
+        if rank == 0 and recorded != {name: run[what][name] for name in recorded if name in run[what]}:
+            print(f"note: the checkpoint was trained with {recorded}; this run has {run[what]}, so its steps "
                   f"will not repeat the original run's")
     return path, trainer, time.perf_counter() - t0
 
