@@ -1144,6 +1144,8 @@ def main(argv=None):
             if args.seq_len % P:
                 parser.error(f"--seq-len {args.seq_len}: must be a multiple of every P in --sp, {P} too (a rank "
                              f"holds S/P tokens)")
+        if args.check_cost and (args.plot or args.versus):  # its own table alone, of one variant
+            parser.error("--check-cost measures the input check alone: it draws no --plot and times no --versus")
         if args.weak_seq_len and not args.check_cost and (args.heads % 4 or args.kv_heads % 4):
             parser.error(f"--heads {args.heads} and --kv-heads {args.kv_heads}: the weak-scaling rows run on 2 and 4 "
                          f"ranks, so 4 must divide both; or --weak-seq-len 0 for none")
