@@ -239,8 +239,8 @@ def test_a_long_step_says_where_it_is(monkeypatch):
 # two nodes: one torchrun each, as on a cluster; each judges its node by its own workers' exit statuses alone
 
 
-def _two_nodes(tmp_path, argv, after_start=None, timeout=90, node_argv=((), ())):
-    """train.py as two torchrun nodes of one rank each on this machine, each started in its own folder (node0,
+def _two_nodes(tmp_path, argv, after_start=None, timeout=90, node_argv=((), ()), nproc=1):
+    """train.py as two torchrun nodes of `nproc` ranks each on this machine, each started in its own folder (node0,
     node1), so that a relative path can name a file one node has and the other lacks; node_argv: flags of each node
     alone. after_start(launchers) runs once both are started. Returns [(exit status, output)] by node, and the
     seconds until both had ended."""
@@ -249,7 +249,7 @@ def _two_nodes(tmp_path, argv, after_start=None, timeout=90, node_argv=((), ()))
         (tmp_path / f"node{node}").mkdir(exist_ok=True)
         launchers.append(start(
             [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
-             "--nproc_per_node", "1", "--master-addr", "127.0.0.1", "--master-port", str(port),
+             "--nproc_per_node", str(nproc), "--master-addr", "127.0.0.1", "--master-port", str(port),
              os.path.join(HERE, "train.py"), "--n-embd", "32", "--seq-len", "32", *argv, *node_argv[node]],
             cwd=tmp_path / f"node{node}"))
     begun = time.time()
@@ -304,11 +304,14 @@ def test_an_out_dir_the_nodes_do_not_share_fails_both_nodes(tmp_path, one_rank, 
 
 
 def test_a_flag_mistake_fails_both_nodes(tmp_path):
-    """Every rank finds the mistake; rank 0 prints it, and the rank on node 1 exits non-zero all the same."""
-    nodes, seconds = _two_nodes(tmp_path, ["--lr", "nan"])
-    (status0, output0), (status1, _) = nodes
-    assert status0 != 0 and status1 != 0 and seconds < 30, output0[-3000:]
-    assert output0.count("train.py: error: --lr nan must be a finite number above 0") == 1, output0[-3000:]
+    """A flag mistake on node 1 alone: each of its 2 ranks finds it before joining, and node 1 prints it once; node
+    0's 2 ranks wait for them until --timeout, and node 0 says so in one line, not in one a rank. Both fail."""
+    nodes, seconds = _two_nodes(tmp_path, ["--timeout", "3"], node_argv=((), ("--lr", "nan")), nproc=2)
+    (status0, output0), (status1, output1) = nodes
+    assert status0 != 0 and status1 != 0 and seconds < 30
+    assert output0.count("train.py: error: the 4 ranks did not all join within --timeout 3 s; look for the line of "
+                         "a rank that stopped") == 1, output0[-3000:]
+    assert output1.count("train.py: error: --lr nan must be a finite number above 0") == 1, output1[-3000:]
 
 
 @pytest.mark.parametrize("when", ["training", "starting"])

@@ -383,9 +383,9 @@ def process_groups(args, world_size):
             try:
                 dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout,
                                         device_id=device if backend == "nccl" else None)
-            except RuntimeError as e:  # a rank that never came (its flags failed on its own node, say)
+            except RuntimeError as e:  # a rank that never came (its flags failed on its own node, say): each
                 fail(f"the {world_size} ranks did not all join within --timeout {args.timeout:g} s; look for the "
-                     f"line of a rank that stopped ({str(e).splitlines()[0]})", alike=False)
+                     f"line of a rank that stopped ({str(e).splitlines()[0]})")  # node that waited says so once
         else:  # plain `python train.py`: a group of one
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     # the flags shape every collective to come, so the ranks compare them first (paths may differ by machine)
