@@ -1,12 +1,16 @@
 """
 Tests of zero3.py against the whole model in one process: on 4 ranks each holds exactly its slice of every
 parameter, gradient and AdamW state, gathered units are freed, and what the ranks hold (checkpoint.held), put
-together, is the whole model and loads onto 2 ranks exactly.
+together, is the whole model and loads onto 2 ranks exactly; a user's own model whose unit is sometimes skipped and
+returns a dict trains as it does in one process.
 """
+
+import copy
 
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 
 import zero3
 from conftest import assert_all_close, run_ranks, zero_batch
@@ -101,3 +105,53 @@ def test_zero3_refuses_a_frozen_parameter():
     model.embed.weight.requires_grad_(False)
     with pytest.raises(ValueError, match=r"these are frozen \(requires_grad=False\): \['embed.weight'\]"):
         zero3.ZeRO3(model, model.units())
+
+
+class _Tanh(nn.Module):
+    def __init__(self, as_dict=False):
+        super().__init__()
+        self.linear, self.as_dict = nn.Linear(6, 6), as_dict
+
+    def forward(self, x):
+        y = torch.tanh(self.linear(x))
+        return {"hidden": y} if self.as_dict else y  # a dict, as Hugging Face models return
+
+
+class _Skipping(nn.Module):
+    """A user's model of three units, the middle one returning a dict and skipped where use_b is False (LayerDrop)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c, self.use_b = _Tanh(), _Tanh(as_dict=True), nn.Linear(6, 1), True
+
+    def forward(self, x):
+        x = self.a(x)
+        return self.c(self.b(x)["hidden"] if self.use_b else x)
+
+
+def _skipping_rank(rank, world_size):
+    torch.manual_seed(0)
+    reference = _Skipping()
+    model = copy.deepcopy(reference)
+    zero = zero3.ZeRO3(model, [model.a, model.b, model.c], group=dist.group.WORLD)
+    optimizers = torch.optim.SGD(reference.parameters(), lr=0.1), torch.optim.SGD(zero.parameters(), lr=0.1)
+    for step in range(3):
+        x = torch.randn(2 * world_size, 6, generator=torch.Generator().manual_seed(step))
+        for micro in range(2):  # b skipped in step 0's second micro-step, after a's forward prefetched it
+            reference.use_b = model.use_b = (step, micro) != (0, 1)
+            reference(x + micro).square().sum().backward()  # every rank's rows, in one process
+            model(x[2 * rank:2 * rank + 2] + micro).square().sum().backward()  # mine
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad()
+    return [(unit.shard.detach(), unit.my_shard_of(whole.parameters()))
+            for unit, whole in zip(zero.units, [reference.a, reference.b, reference.c])]
+
+
+def test_zero3_trains_a_unit_that_is_skipped_and_returns_a_dict():
+    """3 steps of SGD, 2 micro-steps each, on 2 ranks against one process: the unit skipped once keeps no stale
+    prefetched copy past the update (it is gathered anew), and the unit whose output is a dict gathers for its
+    backward. Each rank's shards equal its slice of the one-process model."""
+    for rank in run_ranks(2, _skipping_rank):
+        for mine, whole in rank:
+            torch.testing.assert_close(mine, whole, rtol=0, atol=1e-6)

@@ -52,6 +52,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.utils._pytree import tree_leaves
 
 # torch 2.13 names the two collectives of ZeRO *_single and deprecates the old names; older torch (2.11) has only
 # the old ones. NCCL implements both; gloo too, its reduce-scatter being an all-reduce of which each rank keeps
@@ -66,9 +67,9 @@ Slot = namedtuple("Slot", "module attr name shape")
 
 
 def _grad_outputs(output):
-    """The tensors of a module's output (a tensor or a tuple/list of them) that gradients will flow back through."""
-    outputs = output if isinstance(output, (tuple, list)) else (output,)
-    return [t for t in outputs if isinstance(t, torch.Tensor) and t.requires_grad]
+    """The tensors of a module's output (a tensor, or tuples, lists and dicts of them, as Hugging Face models return)
+    that gradients will flow back through."""
+    return [t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
 
 
 class ShardedUnit:
@@ -102,6 +103,7 @@ class ShardedUnit:
         # an in-place change of the tensor whose views autograd saved for backward, and autograd refuses that.
         self.full_data = self.full.data
         self.handle, self.send = None, None  # the all-gather in flight and the shard copy it reads from
+        self.gathered_version = None  # the shard's version (count of in-place changes) that `full` was gathered from
         self.in_backward = False
         self.free()
 
@@ -112,13 +114,22 @@ class ShardedUnit:
         return flat.view(self.world, -1)[self.rank].clone()  # (padded/N,)
 
     def gather(self, async_op=False):
-        """All-gather the shards into `full`. A no-op when it is gathered already; waits unless async_op."""
+        """All-gather the shards into `full`. A no-op when it is gathered already, from the shard as it is: a prefetch
+        that its unit never used (skipped, as LayerDrop skips layers) before the optimizer stepped is gathered
+        anew. Waits unless async_op."""
+        if self.gathered_version not in (None, self.shard._version):  # stale: the shard changed since
+            self.wait()
+            self.free()
         storage = self.full_data.untyped_storage()
         if self.handle is None and storage.size() == 0:
             storage.resize_(self.full_data.numel() * self.full_data.element_size())
-            self.send = self.local_copy()  # (padded/N,); must live until the gather is done
+            self.send, self.gathered_version = self.local_copy(), self.shard._version  # send: live till it is done
             self.handle = all_gather(self.full_data, self.send, group=self.group, async_op=True)  # -> (padded,)
-        if self.handle is not None and not async_op:
+        if not async_op:
+            self.wait()
+
+    def wait(self):
+        if self.handle is not None:
             self.handle.wait()
             self.handle, self.send = None, None
 
@@ -137,6 +148,7 @@ class ShardedUnit:
 
     def free(self):
         self.full_data.untyped_storage().resize_(0)  # the views stay, over 0 bytes, until the next gather
+        self.gathered_version = None
 
     def set_views(self):
         """Point the module's parameters at their pieces of `full`. One split, so that backward builds the
@@ -164,7 +176,9 @@ class ZeRO3:
     compute_dtype: dtype of the gathered parameters forward and backward run with (e.g. torch.bfloat16);
     the shards, their gradients (summed over ranks in float32) and hence the optimizer stay float32. offload_to: a
     device (CPU memory) that keeps the shards, their gradients and so the optimizer's state and step. Call the model
-    as before; give the optimizer `zero.parameters()`. The group must be initialized; a group of one rank works too."""
+    as before; give the optimizer `zero.parameters()`. The group must be initialized; a group of one rank works too;
+    group=None is WORLD, as torch.distributed reads it. The model then holds no parameter of its own, so its
+    state_dict() is empty: what a rank holds is checkpoint.py's `held` (harness/)."""
 
     def __init__(self, model, units, group=None, compute_dtype=None, offload_to=None):
         owned = [id(p) for unit in units for _, p in unit.named_parameters(remove_duplicate=False)]
