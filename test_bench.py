@@ -154,8 +154,8 @@ BAD_ARGUMENTS = {  # python -m harness.bench ARGV: the one line of its refusal
                           "up to 4 ranks)",
     "plans --figure /no/such/plans.png": "--figure /no/such/plans.png: there is no folder /no/such to write it into",
     "balance --picture /no/such/work.png": "--picture /no/such/work.png: there is no folder /no/such to write it into",
-    "attention --check-cost --plot cost.png": "--check-cost measures the input check alone: it draws no --plot and "
-                                              "times no --versus",
+    **{f"attention --check-cost {flag}": "--check-cost measures the input check alone: it draws no --plot and times "
+                                         "no --versus" for flag in ("--plot cost.png", "--versus ulysses.py")},
     "attention --versus /no/such.py": "--versus /no/such.py: No such file or directory",
     "attention --versus /dev/null": "--versus /dev/null: defines no ulysses_attention; give another copy of ulysses.py",
     f"attention --versus {sys.executable}": f"--versus {sys.executable}: defines no ulysses_attention; give another "

@@ -95,8 +95,9 @@ def _manifest(change):
     ("manifest.json", lambda data: data.replace(b'"bytes"', b'"size"'), r"manifest.json is unreadable"),
     ("manifest.json", lambda data: re.sub(rb'"bytes": \d+', b'"bytes": Infinity', data),
      r"manifest.json is unreadable"),
-    *[("manifest.json", _manifest(lambda m: m["files"].pop(file)), r"manifest.json does not list a whole checkpoint: "
-       r"trainer.pt, and shard_R-of-N.pt for each R < N") for file in ("trainer.pt", "shard_00000-of-00001.pt")],
+    *[("manifest.json", _manifest(lambda m, file=file: m["files"].pop(file)), r"manifest.json does not list a whole "
+       r"checkpoint: trainer.pt, and shard_R-of-N.pt for each R < N") for file in ("trainer.pt",
+                                                                                    "shard_00000-of-00001.pt")],
     ("manifest.json", _manifest(lambda m: m.update(step=9)), r"manifest.json is of step 9, another than its folder's "
      r"name says"),
 ], ids=["empty", "truncated", "flipped", "manifest edited", "manifest infinite", "manifest without trainer.pt",
@@ -145,8 +146,8 @@ def test_a_checkpoint_the_disk_cannot_read_falls_back_to_the_one_before(tmp_path
 def test_checkpoints_that_cannot_be_used_are_refused(tmp_path, one_rank, monkeypatch):
     out_dir = tmp_path / "run"
     with pytest.raises(SystemExit, match=r"--resume: no complete checkpoint in --out-dir \S+ \(no such folder\)$"):
-        train.main(SHORT_RUN + ["--out-dir", str(out_dir), "--resume"])
-    assert not out_dir.exists()  # not made for nothing
+        train.main(SHORT_RUN + ["--out-dir", str(out_dir), "--resume", "--metrics", str(out_dir / "m.jsonl")])
+    assert not out_dir.exists()  # not made for nothing, nor for --metrics inside it
     out_dir.mkdir()
     with pytest.raises(SystemExit, match=r"--resume: no complete checkpoint in --out-dir \S+$"):
         train.main(SHORT_RUN + ["--out-dir", str(out_dir), "--resume"])
@@ -279,7 +280,7 @@ def test_a_resume_notes_data_of_other_bytes(tmp_path, one_rank, capsys, text_fil
 
 def test_packed_text_resumes_under_another_seed_without_a_note(tmp_path, one_rank, capsys, text_file):
     """Packed text is read in order whatever --seed (data.make_sample): a resume that changes only --seed says
-    nothing, and its steps are the original run's."""
+    nothing, and its steps are the original run's. The copy task's samples are drawn by the seed: a note."""
     out_dir = tmp_path / "run"
     packed = SHORT_RUN + ["--out-dir", str(out_dir), "--data", str(text_file), "--pack"]
     straight = train.main(packed)
@@ -288,6 +289,13 @@ def test_packed_text_resumes_under_another_seed_without_a_note(tmp_path, one_ran
     resumed = train.main(packed + ["--resume", "--seed", "5"])
     assert "note:" not in capsys.readouterr().out
     assert [r["loss"] for r in resumed] == [r["loss"] for r in straight[3:]]
+    copy_task = SHORT_RUN + ["--out-dir", str(tmp_path / "copy")]  # its samples are drawn by the seed: a note
+    train.main(copy_task)
+    shutil.rmtree(tmp_path / "copy" / "step_000006")
+    capsys.readouterr()
+    train.main(copy_task + ["--resume", "--seed", "5"])
+    assert re.search(r"^note: the checkpoint was trained with \{'seed': 0, .*\}; this run has \{'seed': 5, ",
+                     capsys.readouterr().out, re.M)
 
 
 def test_metrics_lines_cut_short_are_dropped_on_resume(tmp_path, one_rank, capsys):

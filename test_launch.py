@@ -305,12 +305,13 @@ def test_an_out_dir_the_nodes_do_not_share_fails_both_nodes(tmp_path, one_rank, 
 
 def test_a_flag_mistake_fails_both_nodes(tmp_path):
     """A flag mistake on node 1 alone: each of its 2 ranks finds it before joining, and node 1 prints it once; node
-    0's 2 ranks wait for them until --timeout, and node 0 says so in one line, not in one a rank. Both fail."""
+    0's 2 ranks wait for them until --timeout and say so (the first to give up, or both). Both nodes fail."""
     nodes, seconds = _two_nodes(tmp_path, ["--timeout", "1"], node_argv=((), ("--lr", "nan")), nproc=2)
     (status0, output0), (status1, output1) = nodes
     assert status0 != 0 and status1 != 0 and seconds < 30
-    assert output0.count("train.py: error: the 4 ranks did not all join within --timeout 1 s; look for the line of "
-                         "a rank that stopped") == 1, output0[-3000:]
+    said = re.findall(r"^train.py: error: rank [01]: the 4 ranks did not all join within --timeout 1 s; look for the "
+                      r"line of a rank that stopped \(.*\)$", output0, re.M)
+    assert 1 <= len(said) <= 2, output0[-3000:]
     assert output1.count("train.py: error: --lr nan must be a finite number above 0") == 1, output1[-3000:]
 
 

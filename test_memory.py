@@ -185,8 +185,9 @@ def test_the_search_traces_no_longer_than_this_machine_allows(monkeypatch, capsy
 
 
 def test_free_memory_is_the_machines_within_its_containers_limit(tmp_path):
-    """free_memory: MemAvailable from /proc/meminfo, within a container's cgroup limit less what it uses (version 2,
-    or 1), never above the machine's; a limit of "max", or no file at all, is no bound."""
+    """free_memory: MemAvailable from /proc/meminfo, within a cgroup's limit less what it uses (version 2 or 1; the
+    root's, a container's, and the process's own, a job's), never above the machine's; a limit of "max", or no file
+    at all, is no bound."""
     def machine(files):
         root = tmp_path / str(len(list(tmp_path.iterdir())))
         for path, text in files.items():
@@ -201,6 +202,13 @@ def test_free_memory_is_the_machines_within_its_containers_limit(tmp_path):
     assert machine({**meminfo, **v2(f"{64 * 2**30}\n", 0)}) == 8 * 2**30  # a limit above what the machine has
     assert machine({**meminfo, **v2("max\n", 2**30)}) == 8 * 2**30
     assert machine({**meminfo, **v1}) == 2 * 2**30
+    nested = {"proc/self/cgroup": "0::/slurm/job_7\n", "sys/fs/cgroup/slurm/job_7/memory.max": f"{2**30}",
+              "sys/fs/cgroup/slurm/job_7/memory.current": "0"}  # a job's own cgroup, below the root's
+    assert machine({**meminfo, **v2("max", 0), **nested}) == 2**30
+    nested_v1 = {"proc/self/cgroup": "9:name=systemd:/\n4:memory:/slurm/job_7\n",
+                 "sys/fs/cgroup/memory/slurm/job_7/memory.limit_in_bytes": f"{2**29}",
+                 "sys/fs/cgroup/memory/slurm/job_7/memory.usage_in_bytes": "0"}
+    assert machine({**meminfo, **nested_v1}) == 2**29
     assert machine({}) == float("inf")
 
 

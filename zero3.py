@@ -177,8 +177,8 @@ class ZeRO3:
     the shards, their gradients (summed over ranks in float32) and hence the optimizer stay float32. offload_to: a
     device (CPU memory) that keeps the shards, their gradients and so the optimizer's state and step. Call the model
     as before; give the optimizer `zero.parameters()`. The group must be initialized; a group of one rank works too;
-    group=None is WORLD, as torch.distributed reads it. The model then holds no parameter of its own, so its
-    state_dict() is empty: what a rank holds is checkpoint.py's `held` (harness/)."""
+    group=None is WORLD, as torch.distributed reads it. The model then holds no parameter of its own, and its
+    state_dict() none (its buffers stay): what a rank holds is checkpoint.py's `held` (harness/)."""
 
     def __init__(self, model, units, group=None, compute_dtype=None, offload_to=None):
         owned = [id(p) for unit in units for _, p in unit.named_parameters(remove_duplicate=False)]

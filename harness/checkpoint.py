@@ -145,6 +145,10 @@ def prepare_optimizer(optimizer, keys, scalars):
 # what lies in DIR
 
 
+def folder_name(step):  # the checkpoint of optimizer step `step`
+    return f"step_{step:06d}"
+
+
 def checkpoints(out_dir, complete=True):
     """The checkpoints in out_dir, newest first: those with a manifest (complete), or those without one."""
     names = [name for name in os.listdir(out_dir) if name.startswith("step_") and name[5:].isdecimal()
@@ -175,8 +179,7 @@ def run_flags(args, world_size, data_sha256):
     what fixes the learning rate of every step, and what else shapes an update."""
     global_batch = world_size // args.sp * args.batch_size * args.grad_accum
     return {"model": model_flags(args),
-            "data": {"seed": None if args.data and args.pack else args.seed,  # packed text: read in order, any seed
-                     "seq_len": args.seq_len, "global_batch": global_batch,
+            "data": {"seed": args.seed, "seq_len": args.seq_len, "global_batch": global_batch,
                      "data": data_sha256 and f"SHA-256 {data_sha256[:16]}", "pack": args.pack},
             "schedule": {"steps": args.steps, "lr": args.lr, "warmup": args.warmup},
             "update": {"weight_decay": args.weight_decay, "grad_clip": args.grad_clip, "dtype": args.dtype}}
@@ -192,7 +195,7 @@ def save(args, step, model, zero, optimizer, world_size, rank, data_sha256):
     seconds ends the run (wait_for_markers). Once every marker is there, rank 0 writes the manifest, removes what
     --keep leaves out and renames the directory; the others go on when the manifest is in place."""
     t0 = time.perf_counter()
-    final = os.path.join(args.out_dir, f"step_{step:06d}")
+    final = os.path.join(args.out_dir, folder_name(step))
     tmp, every = final + ".tmp", min(1.0, args.timeout / 4)
     pieces = held(model, optimizer, zero)
     if args.zero == "0":  # every rank holds everything: each writes its 1/N run of every parameter
@@ -384,9 +387,10 @@ def find(args, world_size, control, lr_at, data_sha256):
         fail(f"{changed} against checkpoint {path} would move the learning rate of step {trainer['step'] + 1} from "
              f"{lr_at(trainer['step'], was):.3g} to {lr_at(trainer['step'], args):.3g}; resume with the checkpoint's "
              f"values, or add --new-schedule to accept it")
+    unused = {"seed"} if args.data and args.pack else set()  # packed text is read in order, whatever the seed
     for what in ("data", "update"):  # may change, with a note; of what the checkpoint records (older: less)
-        recorded = trainer.get(what, {})
-        if rank == 0 and recorded != {name: run[what][name] for name in recorded if name in run[what]}:
+        recorded = {name: value for name, value in trainer.get(what, {}).items() if name not in unused}
+        if rank == 0 and recorded != {name: run[what].get(name) for name in recorded}:
             print(f"note: the checkpoint was trained with {recorded}; this run has {run[what]}, so its steps "
                   f"will not repeat the original run's")
     return path, trainer, time.perf_counter() - t0
@@ -403,7 +407,7 @@ def verify(path, rank, world_size):
         files = sorted((name, int(e["bytes"]), str(e["sha256"])) for name, e in manifest["files"].items())
     except (OSError, ValueError, KeyError, TypeError, AttributeError, OverflowError):  # Infinity: valid JSON
         return f"{MANIFEST} is unreadable"
-    if f"step_{step:06d}" != os.path.basename(os.path.normpath(path)):  # renamed: the newest by name is not
+    if folder_name(step) != os.path.basename(os.path.normpath(path)):  # renamed: the newest by name is not
         return f"{MANIFEST} is of step {step}, another than its folder's name says"
     n = max(1, sum(name.startswith("shard_") for name, _, _ in files))  # the ranks that wrote it
     if {name for name, _, _ in files} != {"trainer.pt", *(f"shard_{r:05d}-of-{n:05d}.pt" for r in range(n))}:

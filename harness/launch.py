@@ -383,9 +383,9 @@ def process_groups(args, world_size):
             try:
                 dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout,
                                         device_id=device if backend == "nccl" else None)
-            except RuntimeError as e:  # a rank that never came (its flags failed on its own node, say): each
+            except RuntimeError as e:  # a rank that never came (its flags failed on its own node, say)
                 fail(f"the {world_size} ranks did not all join within --timeout {args.timeout:g} s; look for the "
-                     f"line of a rank that stopped ({str(e).splitlines()[0]})")  # node that waited says so once
+                     f"line of a rank that stopped ({str(e).splitlines()[0]})", alike=False)
         else:  # plain `python train.py`: a group of one
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     # the flags shape every collective to come, so the ranks compare them first (paths may differ by machine)
@@ -454,11 +454,11 @@ def lost_ranks(world_size, wait=3.0):
 def this_machine(args):
     """What a rank checks on its own machine: --data, read (its documents, None for the copy task, and the SHA-256
     of the bytes read), and the folders that --metrics (rank 0 writes it) and --out-dir write into."""
+    if args.out_dir is not None and args.resume and not os.path.isdir(args.out_dir):  # no folder made for nothing
+        fail(f"--resume: no complete checkpoint in --out-dir {args.out_dir} (no such folder)")
     documents = read_data(args)
     if int(os.environ.get("RANK", 0)) == 0 and args.metrics:
         check_metrics(args.metrics)
-    if args.out_dir is not None and args.resume and not os.path.isdir(args.out_dir):  # no folder made for nothing
-        fail(f"--resume: no complete checkpoint in --out-dir {args.out_dir} (no such folder)")
     if args.out_dir is not None:
         make_folder("--out-dir", args.out_dir)
     return documents, None if documents is None else documents.sha256

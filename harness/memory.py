@@ -338,18 +338,21 @@ def peak_resident_bytes():  # this process's largest resident set so far (ru_max
 
 
 def free_memory(root="/"):
-    """The bytes free for a trace: Linux's MemAvailable, within the memory limit of the cgroup mounted at
-    /sys/fs/cgroup (a container's; version 2 or 1) where it sets one; inf where neither is found (no bound by memory).
-    root: where to look, for tests."""
+    """The bytes free for a trace: Linux's MemAvailable, within the memory limits of this process's cgroup and of the
+    cgroup at the root of /sys/fs/cgroup (a container's), version 2 or 1, where they set one; inf where none of this
+    is found (no bound by memory). root: where to look, for tests."""
     read = lambda path: Path(root, path).read_text()
-    free = math.inf
+    free, own = math.inf, {"": "/", "memory": "/"}  # this process's cgroup: version 2's, version 1's memory one
     with suppress(OSError, StopIteration, ValueError):
         free = next(int(line.split()[1]) * 1024 for line in read("proc/meminfo").splitlines()
                     if line.startswith("MemAvailable:"))
-    v1 = "memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes"
-    for limit, used in (("memory.max", "memory.current"), v1):
-        with suppress(OSError, ValueError):  # no such file, or "max": no limit
-            free = min(free, int(read(f"sys/fs/cgroup/{limit}")) - int(read(f"sys/fs/cgroup/{used}")))
+    with suppress(OSError, ValueError):
+        own.update(line.split(":", 2)[1:] for line in read("proc/self/cgroup").splitlines())  # "0::/a", "4:memory:/b"
+    for folder, limit, used in (("", "memory.max", "memory.current"),
+                                ("memory", "memory.limit_in_bytes", "memory.usage_in_bytes")):
+        for where in {Path("sys/fs/cgroup", folder), Path("sys/fs/cgroup", folder, own[folder].lstrip("/"))}:
+            with suppress(OSError, ValueError):  # no such file, or "max": no limit
+                free = min(free, int(read(where / limit)) - int(read(where / used)))
     return free
 
 
