@@ -149,6 +149,10 @@ def folder_name(step):  # the checkpoint of optimizer step `step`
     return f"step_{step:06d}"
 
 
+def shard_name(rank, world_size):  # what rank `rank` of world_size wrote
+    return f"shard_{rank:05d}-of-{world_size:05d}.pt"
+
+
 def checkpoints(out_dir, complete=True):
     """The checkpoints in out_dir, newest first: those with a manifest (complete), or those without one."""
     names = [name for name in os.listdir(out_dir) if name.startswith("step_") and name[5:].isdecimal()
@@ -203,7 +207,7 @@ def save(args, step, model, zero, optimizer, world_size, rank, data_sha256):
         pieces = {name: (shape, start + cut(len(v["param"])).start,
                          {k: t[cut(len(t))].clone() for k, t in v.items()})  # torch.save writes a view's storage
                   for name, (shape, start, v) in pieces.items()}
-    files = {f"shard_{rank:05d}-of-{world_size:05d}.pt": pieces}
+    files = {shard_name(rank, world_size): pieces}
     if rank == 0:  # every rank drew the same random numbers so far
         files["trainer.pt"] = {"step": step, "world_size": world_size, "zero": args.zero,
                                **run_flags(args, world_size, data_sha256),
@@ -410,7 +414,7 @@ def verify(path, rank, world_size):
     if folder_name(step) != os.path.basename(os.path.normpath(path)):  # renamed: the newest by name is not
         return f"{MANIFEST} is of step {step}, another than its folder's name says"
     n = max(1, sum(name.startswith("shard_") for name, _, _ in files))  # the ranks that wrote it
-    if {name for name, _, _ in files} != {"trainer.pt", *(f"shard_{r:05d}-of-{n:05d}.pt" for r in range(n))}:
+    if {name for name, _, _ in files} != {"trainer.pt", *(shard_name(r, n) for r in range(n))}:
         return f"{MANIFEST} does not list a whole checkpoint: trainer.pt, and shard_R-of-N.pt for each R < N"
     for name, size, digest in files[rank::world_size]:
         file = os.path.join(path, name)
