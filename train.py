@@ -92,10 +92,10 @@ def build(args, world_size, mesh, device, host=torch.device("cpu")):
     which runs optimizer step i of this rank on its micro-batches: steps 1 to 7). host: where --offload and
     --offload-optimizer keep what they move off the device. memory.py runs it on fake tensors (memory.trace)."""
     torch.manual_seed(args.seed)  # every rank builds the same initial model
-    # process groups: the mesh is dp x ring x ulysses (sp = ring x ulysses: no group of its own), row-major: a Ulysses
-    # group's ranks are consecutive (the fastest links). The ulysses group runs the all-to-alls; the ring group passes
-    # key/value blocks forward and dk/dv back. The dp group sends nothing: its index picks a rank's samples. WORLD runs
-    # ZeRO-3's gathers and reduce-scatters (or --zero 0's all-reduce), its gradient norm, the token count and totals.
+    # process groups: the mesh is (dp, ring, ulysses) = (world/sp, --ring, sp/--ring), row-major: a Ulysses group's
+    # ranks are consecutive (the fastest links); 4 ranks --sp 2: ulysses {0,1} {2,3}, dp {0,2} {1,3}. ulysses runs the
+    # all-to-alls; ring passes key/value blocks on and dk/dv back; dp sends nothing (its index picks a rank's samples);
+    # WORLD: ZeRO-3's gathers and reduce-scatters (or --zero 0's all-reduce), the gradient norm, token count, totals.
     dp, sp_groups = world_size // args.sp, (mesh.get_group("ulysses"), mesh.get_group("ring"))
     model = GPT(launch.model_config(args), *sp_groups, host)
     if device.type != "cpu":  # built on the CPU, so that a GPU run starts from the numbers a CPU run does

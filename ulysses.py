@@ -16,11 +16,11 @@ One attention layer makes four all-to-alls forward: q, k and v go to heads (one 
 divide both head counts. Each call keeps 1/P of its input and sends the other (P-1)/P: a local q of B * S/P * h
 elements sends B * S * h * (P-1)/P^2. So per layer each rank sends, in elements (uneven heads: `all_to_all_bytes`),
 
-    forward:  B * S * (2*h + 2*h_kv) * (P-1) / P^2        backward: the same again
+    forward:  B * S * (2*h + 2*h_kv) * (P-1) / P^2     (q and the output h each, k and v h_kv each); backward: the same
 
 When P grows in step with S, that approaches B * S/P * (2*h + 2*h_kv); an all-gather of k and v grows with S.
 
-Four rules make training on P ranks equal to training on one device; rule 1 is the caller's, this file holds 2 to 4:
+Four rules make training on P ranks equal to training on one device; this file holds 2, 3 and rule 4's count:
   1. shift the labels by one BEFORE sharding (a shard's last label is the next rank's first token);
   2. pad every sequence at its end to a multiple of P, give rank r tokens [r*S_pad/P, (r+1)*S_pad/P), and keep
      their GLOBAL position ids (RoPE and document boundaries need them): `shard_for_sp`;
@@ -71,7 +71,7 @@ def ulysses_attention(q, k, v, group=None, attn_fn=None, check=True, sinks=None,
     q = seq_to_heads(q, group, query_heads)  # (B, S, hq, D)
     k, v = seq_to_heads(k, group, kv_heads), seq_to_heads(v, group, kv_heads)  # (B, S, hkv, D)
     kernel_kv = kernel_kv_heads(n_head, n_kv_head, P, rank)
-    if kernel_kv != list(range(len(kv_heads[rank]))):  # kv heads not in SDPA's grouped order: one per query head
+    if kernel_kv != list(range(len(kv_heads[rank]))):  # query heads not in equal runs per kv head: a kv head each
         k, v = k[:, :, kernel_kv], v[:, :, kernel_kv]  # (B, S, hkv, D) -> (B, S, hq, D)
     return heads_to_seq(attn_fn(q, k, v, **attn_kwargs), group, query_heads)  # (B, S/P, Hq, D)
 
