@@ -63,8 +63,10 @@ from harness import bench, launch
     (1, ["--data", "/no/such/file.txt"], r"--data /no/such/file.txt: no such file"),
     (1, ["--batch-size", "0"], r"--batch-size 0 must be at least 1"),
     (1, ["--tiles", "0"], r"--tiles 0 must be at least 1"),
-    (1, ["--balance", "documents"], r"--balance documents shares each packed document's work over a ring's ranks: "
-                                    r"it needs --pack"),
+    (4, ["--ring", "2", "--balance", "documents"], r"--balance documents shares each packed document's work over a "
+                                                   r"ring's ranks: it needs --pack"),
+    (1, ["--balance", "zigzag"], r"--balance zigzag chooses how a ring's ranks share the tokens; add --ring 2 or more, "
+                                 r"or drop it$"),
     (1, ["--data", "{empty}"], r"--data .*empty.txt: holds no text"),
     (1, ["--data", "{empty}", "--pack"], r"--data .*empty.txt: holds no text"),
     (1, ["--save-every", "5"], r"--resume, --save-every and --keep need --out-dir"),

@@ -225,6 +225,8 @@ def check_args(args, world_size):
     args.n_layer = max(2, len(args.layer_pattern)) if args.n_layer is None else args.n_layer
     args.lr = (5e-4 if "d" in args.layer_pattern else 1e-3) if args.lr is None else args.lr
     args.warmup = max(1, args.steps // 10) if args.warmup is None else args.warmup
+    if args.balance and args.ring == 1:  # given, with no ring to share
+        fail(f"--balance {args.balance} chooses how a ring's ranks share the tokens; add --ring 2 or more, or drop it")
     args.balance = args.balance or ("documents" if args.pack and "d" not in args.layer_pattern else "zigzag")
     zero_means_default = ("window", "warmup", "save_every", "keep", "gdn_k_heads", "gdn_v_heads", "gdn_k_dim",
                           "gdn_v_dim", "intermediate_size", "loss_tiles")
