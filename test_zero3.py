@@ -129,14 +129,14 @@ class _Skipping(nn.Module):
         return self.c(self.b(x)["hidden"] if self.use_b else x)
 
 
-def _skipping_rank(rank, world_size):
+def _skipping_rank(rank, world_size, dtype):
     torch.manual_seed(0)
-    reference = _Skipping()
+    reference = _Skipping().to(dtype)
     model = copy.deepcopy(reference)
     zero = zero3.ZeRO3(model, [model.a, model.b, model.c], group=dist.group.WORLD)
     optimizers = torch.optim.SGD(reference.parameters(), lr=0.1), torch.optim.SGD(zero.parameters(), lr=0.1)
     for step in range(3):
-        x = torch.randn(2 * world_size, 6, generator=torch.Generator().manual_seed(step))
+        x = torch.randn(2 * world_size, 6, generator=torch.Generator().manual_seed(step), dtype=dtype)
         for micro in range(2):  # b skipped in step 0's second micro-step, after a's forward prefetched it
             reference.use_b = model.use_b = (step, micro) != (0, 1)
             reference(x + micro).square().sum().backward()  # every rank's rows, in one process
@@ -148,10 +148,12 @@ def _skipping_rank(rank, world_size):
             for unit, whole in zip(zero.units, [reference.a, reference.b, reference.c])]
 
 
-def test_zero3_trains_a_unit_that_is_skipped_and_returns_a_dict():
+@pytest.mark.parametrize("dtype, atol", [(torch.float32, 1e-6), (torch.float64, 1e-14)], ids=["float32", "float64"])
+def test_zero3_trains_a_unit_that_is_skipped_and_returns_a_dict(dtype, atol):
     """3 steps of SGD, 2 micro-steps each, on 2 ranks against one process: the unit skipped once keeps no stale
     prefetched copy past the update (it is gathered anew), and the unit whose output is a dict gathers for its
-    backward. Each rank's shards equal its slice of the one-process model."""
-    for rank in run_ranks(2, _skipping_rank):
+    backward. Each rank's shards equal its slice of the one-process model; a float64 model's are float64."""
+    for rank in run_ranks(2, _skipping_rank, dtype):
         for mine, whole in rank:
-            torch.testing.assert_close(mine, whole, rtol=0, atol=1e-6)
+            assert mine.dtype == dtype
+            torch.testing.assert_close(mine, whole.to(dtype), rtol=0, atol=atol)

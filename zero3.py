@@ -2,9 +2,9 @@
 ZeRO-3: each of the N ranks of a process group owns 1/N of the model state (parameters, gradients and AdamW
 state), and the full parameters of a unit (the embedding, one block, the head) exist only around its compute.
 
-Each unit's parameters are flattened into one float32 vector, padded with zeros to a multiple of N and cut
-into N equal shards. Rank r keeps shard r as an nn.Parameter: the optimizer sees only these shards, so its
-state is 1/N of the model's too. Here N = 2:
+Each unit's parameters are flattened into one float32 vector (float64 for a float64 model), padded with zeros to
+a multiple of N and cut into N equal shards. Rank r keeps shard r as an nn.Parameter: the optimizer sees only these
+shards, so its state is 1/N of the model's too. Here N = 2:
 
                      embed          block 0        block 1        head
     rank 0 owns     [#####.....]   [#####.....]   [#####.....]   [#####.....]
@@ -73,8 +73,9 @@ def _grad_outputs(output):
 
 
 class ShardedUnit:
-    """One unit: its parameters as one flat vector, this rank's float32 shard of it and the gathered copy `full`.
-    offload_to: the device (CPU memory) that keeps the shard and its gradient; None: the unit's own."""
+    """One unit: its parameters as one flat vector, this rank's shard of it (in `dtype`: float32, or float64 if a
+    parameter is) and the gathered copy `full`. offload_to: the device (CPU memory) that keeps the shard and its
+    gradient; None: the unit's own."""
 
     def __init__(self, module, prefix, group, compute_dtype, offload_to=None):
         self.module, self.group = module, group
@@ -88,11 +89,12 @@ class ShardedUnit:
         padded = -(-self.numel // self.world) * self.world  # the next multiple of N
         self.sizes = [p.numel() for _, p in params] + [padded - self.numel]  # how `full` splits into parameters
         self.device = params[0][1].device
+        self.dtype = torch.float64 if any(p.dtype == torch.float64 for _, p in params) else torch.float32  # masters
         shard = self.my_shard_of(p for _, p in params).to(offload_to or self.device)
-        self.shard = nn.Parameter(shard)  # (padded/N,) float32 master copy
+        self.shard = nn.Parameter(shard)  # (padded/N,) the master copy
         for slot in self.slots:
             delattr(slot.module, slot.attr)  # the module keeps no parameter of its own from now on
-        self.full = torch.empty(padded, dtype=compute_dtype or torch.float32, device=self.device, requires_grad=True)
+        self.full = torch.empty(padded, dtype=compute_dtype or self.dtype, device=self.device, requires_grad=True)
         # offloaded only: `staging`, the shard in the compute dtype in host memory, which gathers copy from; and
         # `staged_version`, the shard's version (its count of in-place changes) that staging holds
         self.staging = self.staged_version = None
@@ -109,8 +111,8 @@ class ShardedUnit:
 
     def my_shard_of(self, tensors):
         """This rank's piece of the unit's parameters, given whole: flattened, padded with zeros and cut."""
-        flat = torch.cat([t.detach().to(self.device, torch.float32).flatten() for t in tensors]
-                         + [torch.zeros(self.sizes[-1], device=self.device)])  # (padded,)
+        flat = torch.cat([t.detach().to(self.device, self.dtype).flatten() for t in tensors]
+                         + [torch.zeros(self.sizes[-1], dtype=self.dtype, device=self.device)])  # (padded,)
         return flat.view(self.world, -1)[self.rank].clone()  # (padded/N,)
 
     def gather(self, async_op=False):
@@ -158,9 +160,9 @@ class ShardedUnit:
 
     def reduce_grad(self):
         """Sum this unit's gradient over the ranks; each rank adds its slice to its shard.grad."""
-        grad = self.full.grad.float()  # (padded,); float32, as summing N low-precision gradients loses bits
+        grad = self.full.grad.to(self.dtype)  # (padded,); at least float32: summing N low-precision ones loses bits
         self.full.grad = None
-        reduced = torch.empty(self.shard.shape, dtype=torch.float32, device=self.device)  # (padded/N,)
+        reduced = torch.empty(self.shard.shape, dtype=self.dtype, device=self.device)  # (padded/N,)
         reduce_scatter(reduced, grad, op=dist.ReduceOp.SUM, group=self.group)
         reduced = reduced.to(self.shard.device)  # offloaded: to host memory, beside the shard
         if self.shard.grad is None:
@@ -174,11 +176,11 @@ class ZeRO3:
 
     units: submodules in forward order that together hold every parameter exactly once (GPT.units()), none frozen.
     compute_dtype: dtype of the gathered parameters forward and backward run with (e.g. torch.bfloat16);
-    the shards, their gradients (summed over ranks in float32) and hence the optimizer stay float32. offload_to: a
-    device (CPU memory) that keeps the shards, their gradients and so the optimizer's state and step. Call the model
-    as before; give the optimizer `zero.parameters()`. The group must be initialized; a group of one rank works too;
-    group=None is WORLD, as torch.distributed reads it. The model then holds no parameter of its own, and its
-    state_dict() none (its buffers stay): what a rank holds is checkpoint.py's `held` (harness/)."""
+    the shards, their gradients (summed over ranks) and hence the optimizer stay float32 (a float64 unit's: float64).
+    offload_to: a device (CPU memory) that keeps the shards, their gradients and so the optimizer's state and step.
+    Call the model as before; give the optimizer `zero.parameters()`. The group must be initialized; a group of one
+    rank works too; group=None is WORLD, as torch.distributed reads it. The model then holds no parameter of its
+    own, and its state_dict() none (its buffers stay): what a rank holds is checkpoint.py's `held` (harness/)."""
 
     def __init__(self, model, units, group=None, compute_dtype=None, offload_to=None):
         owned = [id(p) for unit in units for _, p in unit.named_parameters(remove_duplicate=False)]
@@ -230,7 +232,7 @@ class ZeRO3:
         unit.in_backward = False
 
     def parameters(self):
-        """This rank's shards, one per unit: the float32 tensors the optimizer updates."""
+        """This rank's shards, one per unit: the tensors the optimizer updates (float32, or float64)."""
         return [unit.shard for unit in self.units]
 
     @torch.no_grad()
