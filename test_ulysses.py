@@ -31,7 +31,8 @@ def _shard_and_all_to_all_rank(rank, world_size, dtype):
     ids, labels = torch.randint(0, 9, (2, 13), generator=g), torch.randint(0, 9, (2, 13), generator=g)
     labels[0, :5] = -100
     shard = ulysses.shard_for_sp(ids, labels, torch.arange(13).expand(2, 13), group)
-    valid = ulysses.global_valid_tokens([shard[1], shard[1][:1]], group)  # two micro-batches
+    valid = [ulysses.global_valid_tokens([shard[1], shard[1][:1]], group),  # two micro-batches
+             ulysses.global_valid_tokens([shard[1]] if rank == 1 else [], group)]  # the others: none this time
     full = torch.randn(2, 12, 4 * world_size, 3, generator=g).to(dtype)  # (B, S, H, D)
     local = sp_slice(full, rank, world_size).clone().requires_grad_()  # (B, S/P, H, D): my tokens
     even = ulysses.head_layout(4 * world_size, 1, world_size)[0]  # 4 heads a rank
@@ -52,9 +53,9 @@ def _shard_and_all_to_all_rank(rank, world_size, dtype):
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_shard_for_sp_and_the_all_to_all(world_size, dtype):
     """shard_for_sp pads at the end and keeps global positions (and each token's index); the valid-token count
-    covers every rank; the exchange gives each rank exactly its heads of every token, heads_to_seq undoes it, and
-    the backward of seq_to_heads is heads_to_seq. Uneven heads work the same way, and a kv head sent to every rank
-    gets back the sum of their gradients. In bf16 too, bit for bit: the exchange only moves data."""
+    covers every rank, those without a micro-batch too; the exchange gives each rank exactly its heads of every
+    token, heads_to_seq undoes it, and the backward of seq_to_heads is heads_to_seq. Uneven heads work the same way,
+    and a kv head sent to every rank gets back the sum of their gradients. In bf16 too, bit for bit: the exchange only moves data."""
     results = run_ranks(world_size, _shard_and_all_to_all_rank, dtype)
     g = torch.Generator().manual_seed(0)
     ids, labels = torch.randint(0, 9, (2, 13), generator=g), torch.randint(0, 9, (2, 13), generator=g)
@@ -66,7 +67,8 @@ def test_shard_for_sp_and_the_all_to_all(world_size, dtype):
                               torch.cat([labels, torch.full((2, pad), -100)], 1),
                               torch.arange(13 + pad).expand(2, -1), torch.arange(13 + pad).expand(2, -1))):
         assert torch.equal(torch.cat([r[0][i] for r in results], dim=1), want)
-    assert all(r[1] == (labels != -100).sum() + (labels[:1] != -100).sum() for r in results)
+    assert all(r[1][0] == (labels != -100).sum() + (labels[:1] != -100).sum() for r in results)
+    assert all(r[1][1] == (results[1][0][1] != -100).sum() for r in results)  # rank 1's shard alone
     for rank, (_, _, heads, back, grad, inverse_of_grad, mine, mine_back, five_grad) in enumerate(results):
         assert heads.dtype == dtype and torch.equal(heads, sp_slice(full, rank, world_size, dim=2))  # my heads
         assert torch.equal(back, sp_slice(full, rank, world_size))

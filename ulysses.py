@@ -280,7 +280,7 @@ def global_valid_tokens(labels, group=None):
     divides the SUM of its token losses by it, so the summed gradients are those of the global batch's mean loss.
     Never 0: a batch without labels gives loss 0, not NaN."""
     labels = [labels] if torch.is_tensor(labels) else labels
-    count = sum((l != -100).sum() for l in labels)  # () int64
+    count = sum(((l != -100).sum() for l in labels), torch.zeros((), dtype=torch.int64))  # () int64; 0 for []
     if size_and_rank(group)[0] > 1:
         with _gloo_lets_go(count):
             dist.all_reduce(count, group=group)
