@@ -55,7 +55,8 @@ def test_shard_for_sp_and_the_all_to_all(world_size, dtype):
     """shard_for_sp pads at the end and keeps global positions (and each token's index); the valid-token count
     covers every rank, those without a micro-batch too; the exchange gives each rank exactly its heads of every
     token, heads_to_seq undoes it, and the backward of seq_to_heads is heads_to_seq. Uneven heads work the same way,
-    and a kv head sent to every rank gets back the sum of their gradients. In bf16 too, bit for bit: the exchange only moves data."""
+    and a kv head sent to every rank gets back the sum of their gradients. In bf16 too, bit for bit: the exchange
+    only moves data."""
     results = run_ranks(world_size, _shard_and_all_to_all_rank, dtype)
     g = torch.Generator().manual_seed(0)
     ids, labels = torch.randint(0, 9, (2, 13), generator=g), torch.randint(0, 9, (2, 13), generator=g)
