@@ -190,6 +190,16 @@ def test_compile_runs_its_own_steps_whatever_the_flags(monkeypatch, capsys):
     assert [[argv[i + 1] for i, flag in enumerate(argv) if flag == "--steps"][-1] for argv in runs] == ["3", "3"]
 
 
+def test_memory_measures_what_measuring_costs_only_at_the_depths_given(monkeypatch, capsys):
+    """memory's second table, what measuring costs, has a row per --depths value; --depths with none prints none of
+    it (neither its heading nor an empty table)."""
+    monkeypatch.setattr(bench, "train_run", lambda P, argv: [{"peak_bytes": 2**20, "seconds": 1.0}] * 6)
+    for depths, lines in (("--depths 2 3", 6 + 5), ("--depths", 6)):  # 5: a blank line, 2 headings, 2 rows
+        bench.main(f"memory --sp 1 --seq-lens 64 {depths}".split())
+        printed = capsys.readouterr().out
+        assert len(printed.splitlines()) == lines and ("what measuring costs" in printed) == (lines > 6), printed
+
+
 def test_the_weak_scaling_sizes_bind_only_with_weak_scaling(measured):
     """attention's weak-scaling rows run on 2 and 4 ranks; without them (--weak-seq-len 0) 6 heads on --sp 2 run."""
     bench.main("attention --heads 6 --sp 2 --weak-seq-len 0".split())

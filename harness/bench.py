@@ -666,6 +666,8 @@ def memory_(args):
                 measured = train_run(P, argv + ["--steps", "2", "--batch-size", "1"])[-1]["peak_bytes"]
             cells.append(f"{measured / 2**20:.1f}")
         print(f"{S:>8,} {' '.join(extra):<24}" + "".join(f"{cell:>16}" for cell in cells), flush=True)
+    if not args.depths:  # --depths with none: the cost of measuring skipped
+        return
     print("\nwhat measuring costs: train.py --n-embd 32 --steps 6 --n-layer L, one process; seconds of the measured "
           "(last) step against the median of steps 2 to 5")
     print(f"{'layers':>6} {'ordinary step s':>16} {'measured step s':>16} {'ratio':>6}", flush=True)
