@@ -25,6 +25,7 @@ import torch.distributed as dist
 import torch.utils._pytree as pytree
 from torch._library.custom_ops import _maybe_get_opdef
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._sharding_prop import ShardingPropagator
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakIdKeyDictionary
 
@@ -94,6 +95,7 @@ class StorageBytes(TorchDispatchMode):
         self.sizes = WeakIdKeyDictionary()  # storage -> [its bytes, as counted; "host" or "device"]
         self.finalizers, self.alive, self.peaks = [], {"device": 0, "host": 0}, {"device": 0, "host": 0}
         self.depth = 0  # an operator's body, counted inside the count, enters it again
+        self.propagating = 0  # inside DTensor's sharding propagation: uncounted
         for t in existing:
             self._see(t)
 
@@ -118,6 +120,8 @@ class StorageBytes(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if DTensor in types:
             return NotImplemented  # DTensor runs first, and its local ops come through here
+        if self.propagating:  # what DTensor makes to learn an op's output shape: no memory of a step
+            return func(*args, **(kwargs or {}))
         custom = _maybe_get_opdef(func) if self.inside_operators else None
         if custom is not None:  # an operator written in Python: its body runs under the count
             with self:
@@ -141,12 +145,24 @@ class StorageBytes(TorchDispatchMode):
                 if storage in self.sizes:
                     self._grow(self.sizes[storage], storage.nbytes() - self.sizes[storage][0])
             torch.UntypedStorage.resize_ = counted_resize
+            # DTensor (FSDP2) learns each new op's output shape on fake copies of its inputs at their global size,
+            # once per shape: a trace that met the shapes before would count less. None counts
+            propagate = self.propagate = ShardingPropagator._propagate_tensor_meta_non_cached
+
+            def uncounted(*args, **kwargs):
+                self.propagating += 1
+                try:
+                    return propagate(*args, **kwargs)
+                finally:
+                    self.propagating -= 1
+            ShardingPropagator._propagate_tensor_meta_non_cached = uncounted
         return super().__enter__()
 
     def __exit__(self, *exc):
         self.depth -= 1
         if self.depth == 0:  # the count ends: no storage freed from now on changes it
             torch.UntypedStorage.resize_ = self.resize
+            ShardingPropagator._propagate_tensor_meta_non_cached = self.propagate
             for finalizer in self.finalizers:
                 finalizer.detach()
         return super().__exit__(*exc)
@@ -158,23 +174,22 @@ class StorageBytes(TorchDispatchMode):
 
 def planned(args, world_size, build, cuda=True, **changed):
     """This run's peak per rank (some flags changed), traced: {"device", "host" (bytes), "rank", "ranks", "seconds",
-    "how"}: the largest of the ranks `traced_ranks` names, "rank" the one with the largest device peak. Past three
-    periods of --layer-pattern it traces r + 2 and r + 3 periods (r: the layers of a period begun) and extends each
-    segment's peak (`in_segments`) along its line to the run's depth: test_memory.py holds that equal to the full
-    depth's trace, to the byte. --compile is traced eager."""
+    "how"}: the largest of the ranks `traced_ranks` names, "rank" the one with the largest device peak. Past four
+    periods of --layer-pattern it traces r + 3 and r + 4 periods (r: the layers of a period begun), so that every
+    segment of `in_segments`, a middle block's too, is in both, and extends each segment's peak along its line to the
+    run's depth: test_memory.py holds that equal to the full depth's trace, to the byte. --compile is traced eager."""
     args = argparse.Namespace(**{**vars(args), **changed, "compile": False})
     start, period = time.perf_counter(), len(args.layer_pattern)
     rest, periods, peaks = args.n_layer % period, args.n_layer // period, []
     for rank in traced_ranks(args, world_size):
-        if periods <= 3:
+        if periods <= 4:
             peak, how = trace(args, world_size, build, cuda, rank), f"{args.n_layer} layer{'s' * (args.n_layer > 1)}"
         else:
-            two, three = (trace(argparse.Namespace(**{**vars(args), "n_layer": rest + k * period}), world_size, build,
-                                cuda, rank)["segments"] for k in (2, 3))
-            peak = {key: max(two[s][key] + (periods - 2) * (three[s][key] - two[s][key])
-                             for s in two.keys() & three.keys() if "middle" not in s)  # a middle block's: between
-                    for key in ("device", "host")}
-            how = f"{rest + 2 * period} and {rest + 3 * period} layers, extended to {args.n_layer}"
+            three, four = (trace(argparse.Namespace(**{**vars(args), "n_layer": rest + k * period}), world_size, build,
+                                 cuda, rank)["segments"] for k in (3, 4))
+            peak = {key: max(three[s][key] + (periods - 3) * (four[s][key] - three[s][key])
+                             for s in three.keys() & four.keys()) for key in ("device", "host")}
+            how = f"{rest + 3 * period} and {rest + 4 * period} layers, extended to {args.n_layer}"
         peaks.append({"device": peak["device"], "host": peak["host"], "rank": rank})
     return {**max(peaks, key=lambda peak: peak["device"]), "host": max(peak["host"] for peak in peaks),
             "ranks": len(peaks), "seconds": time.perf_counter() - start, "how": how}
@@ -214,9 +229,10 @@ def trace(args, world_size, build, cuda, rank=None):
 def in_segments(counter, model, optimizer, period):
     """(mark, peaks): the step's peaks by segment, {(what, block): {"device", "host"}}, each segment begun by a block's
     forward, recomputation or backward, or the optimizer's step; a block of the first period named by its index, of
-    the last counted from the end (-1 the last), any other "middle". mark(label) ends a segment and begins the next."""
+    the last counted from the end (-1 the last), any other ("middle", its place in the period): the largest of their
+    peaks. mark(label) ends a segment and begins the next."""
     peaks, running, blocks = {}, ["start", "forward"], len(model.blocks)  # the segment, and forward or recompute
-    where = lambda i: i if i < period else i - blocks if i >= blocks - period else "middle"
+    where = lambda i: i if i < period else i - blocks if i >= blocks - period else ("middle", i % period)
 
     def mark(label, *_):
         before = peaks.setdefault(running[0], {"device": 0, "host": 0})
@@ -262,9 +278,9 @@ def plan(args, build):
     if int(os.environ.get("WORLD_SIZE", 1)) > 1:
         fail(f"--plan traces every GPU it names in one process: run python train.py --plan {args.plan}, not torchrun")
     given = re.fullmatch(r"(\d+)x(\d*\.?\d+)", args.plan.lower())
-    if not given or int(given[1]) < 1 or float(given[2]) <= 0:
-        fail(f"--plan {args.plan}: write it as GPUSxGIB, at least one GPU of more than 0 GiB, e.g. 8x80 for 8 GPUs "
-             f"of 80 GiB")
+    if not given or not 1 <= int(given[1]) <= 2**20 or not 0 < float(given[2]) <= 2**20:
+        fail(f"--plan {args.plan}: write it as GPUSxGIB, 1 to 1,048,576 GPUs of more than 0 and at most 1,048,576 "
+             f"GiB, e.g. 8x80 for 8 GPUs of 80 GiB")
     world_size, memory = int(given[1]), float(given[2]) * 2**30
     check_args(args, world_size)
     read_data(args)  # the run's own --data, before a trace of minutes; so is --metrics
