@@ -106,6 +106,17 @@ def test_bad_input_is_refused(monkeypatch, tmp_path, world_size, argv, message):
     assert not dist.is_initialized()
 
 
+@pytest.mark.parametrize("world_size, argv", [(1, []), (4, ["--ring", "2", "--pack"]), (2, ["--layer-pattern", "da"])])
+def test_the_flag_checks_take_their_own_defaults(world_size, argv):
+    """A CUDA run checks its flags twice (to trace its step, then to start): the defaults the first check fills in
+    pass the second, which changes nothing."""
+    args = launch.parse_args(argv)
+    launch.check_args(args, world_size)
+    checked = dict(vars(args))
+    launch.check_args(args, world_size)
+    assert vars(args) == checked
+
+
 @pytest.mark.parametrize("script, argv", [("train.py", []), ("bench", []), ("bench", ["attention"]),
                                           ("bench", ["ring"])], ids=["train", "bench", "bench attention", "bench ring"])
 def test_help_shows_the_defaults(capsys, script, argv):

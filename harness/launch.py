@@ -227,7 +227,8 @@ def check_args(args, world_size):
     args.warmup = max(1, args.steps // 10) if args.warmup is None else args.warmup
     if args.balance and args.ring == 1:  # given, with no ring to share
         fail(f"--balance {args.balance} chooses how a ring's ranks share the tokens; add --ring 2 or more, or drop it")
-    args.balance = args.balance or ("documents" if args.pack and "d" not in args.layer_pattern else "zigzag")
+    if args.ring > 1:  # a default only where a ring reads it: this check runs twice on CUDA, and it is not "given"
+        args.balance = args.balance or ("documents" if args.pack and "d" not in args.layer_pattern else "zigzag")
     zero_means_default = ("window", "warmup", "save_every", "keep", "gdn_k_heads", "gdn_v_heads", "gdn_k_dim",
                           "gdn_v_dim", "intermediate_size", "loss_tiles")
     for name in ("seq_len", "batch_size", "grad_accum", "steps", "n_layer", "n_head", "n_kv_head", "n_embd", "tiles",
