@@ -25,7 +25,7 @@ Per forward and backward every parameter is all-gathered twice and its gradient 
 the model's elements sent per rank, 1.5x the all-reduce of plain data parallelism (in bytes too when all is
 float32; bf16 gathers make it as many bytes as a float32 all-reduce), for model state cut to 1/N. Besides its
 shards a rank holds the gathered copies of at most two units (the one computing, the one prefetched) and, during a
-unit's backward, that unit's full gradient (in the compute dtype, then in float32 for the reduce).
+unit's backward, that unit's full gradient (in the compute dtype, then in float32 or wider for the reduce).
 
 How: the module's parameters become views into one flat tensor `full` per unit, a leaf that requires grad.
 Freeing resizes its storage to 0 bytes; gathering resizes it back and all-gathers into it, so the views autograd
@@ -258,8 +258,9 @@ def fsdp2_shard(model, units, group, compute_dtype=None):
     Give the optimizer model.parameters() (DTensor shards)."""
     mesh = DeviceMesh.from_group(group or dist.group.WORLD, next(model.parameters()).device.type)
     # compute_dtype for the gathered parameters alone, like ZeRO3: the inputs of a unit (the float32 residual
-    # stream, RoPE's tables) keep their dtype
-    policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
+    # stream, RoPE's tables) keep their dtype; the sums in float32, or float64 for a float64 model
+    reduce_dtype = torch.promote_types(next(model.parameters()).dtype, torch.float32)
+    policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=reduce_dtype, cast_forward_inputs=False)
     for module in [*units, model]:  # the root last: it picks up what no unit holds (nothing, here)
         fully_shard(module, mesh=mesh, mp_policy=policy)
         module.set_gradient_divide_factor(1.0)  # sum, do not average over ranks
