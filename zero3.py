@@ -46,6 +46,7 @@ refilled when the shard has changed since the last refill; each reduced gradient
 """
 
 from collections import namedtuple
+from functools import reduce
 
 import torch
 import torch.distributed as dist
@@ -72,6 +73,11 @@ def _grad_outputs(output):
     return [t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
 
 
+def master_dtype(parameters):
+    """What the shards, the gradients' sums and so the optimizer hold: float32, or float64 where a parameter is."""
+    return reduce(torch.promote_types, (p.dtype for p in parameters), torch.float32)
+
+
 class ShardedUnit:
     """One unit: its parameters as one flat vector, this rank's shard of it (in `dtype`: float32, or float64 if a
     parameter is) and the gathered copy `full`. offload_to: the device (CPU memory) that keeps the shard and its
@@ -89,7 +95,7 @@ class ShardedUnit:
         padded = -(-self.numel // self.world) * self.world  # the next multiple of N
         self.sizes = [p.numel() for _, p in params] + [padded - self.numel]  # how `full` splits into parameters
         self.device = params[0][1].device
-        self.dtype = torch.float64 if any(p.dtype == torch.float64 for _, p in params) else torch.float32  # masters
+        self.dtype = master_dtype(p for _, p in params)
         shard = self.my_shard_of(p for _, p in params).to(offload_to or self.device)
         self.shard = nn.Parameter(shard)  # (padded/N,) the master copy
         for slot in self.slots:
@@ -258,9 +264,9 @@ def fsdp2_shard(model, units, group, compute_dtype=None):
     Give the optimizer model.parameters() (DTensor shards)."""
     mesh = DeviceMesh.from_group(group or dist.group.WORLD, next(model.parameters()).device.type)
     # compute_dtype for the gathered parameters alone, like ZeRO3: the inputs of a unit (the float32 residual
-    # stream, RoPE's tables) keep their dtype; the sums in float32, or float64 for a float64 model
-    reduce_dtype = torch.promote_types(next(model.parameters()).dtype, torch.float32)
-    policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=reduce_dtype, cast_forward_inputs=False)
+    # stream, RoPE's tables) keep their dtype; the sums as ZeRO3's
+    policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=master_dtype(model.parameters()),
+                                  cast_forward_inputs=False)
     for module in [*units, model]:  # the root last: it picks up what no unit holds (nothing, here)
         fully_shard(module, mesh=mesh, mp_policy=policy)
         module.set_gradient_divide_factor(1.0)  # sum, do not average over ranks
