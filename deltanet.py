@@ -193,7 +193,7 @@ def causal_conv1d(x, weight, starts=None):
     return _causal_conv(x, weight) if starts is None else _conv_by_document(x, weight, starts)  # (B, S, ch)
 
 
-@torch.compiler.disable  # compiled, its loop over the data's documents would recompile for each new count
+@torch._disable_dynamo  # torch.compiler.disable, Dynamo imported at the first call; compiled, its loop over the data's documents would recompile for each new count
 def _conv_by_document(x, weight, starts):
     (B, S, ch), bounds = x.shape, document_bounds(starts).tolist()
     stream = x.reshape(1, B * S, ch)  # the batch as one stream of documents
@@ -237,7 +237,7 @@ class _GatherThen(torch.autograd.Function):
     and autograd would skip the backward of a gather whose result is unused, leaving the other ranks waiting."""
 
     @staticmethod
-    @torch.compiler.disable  # torch.compile runs it eagerly: Dynamo traces neither the gathers nor their bytes
+    @torch._disable_dynamo  # torch.compiler.disable (Dynamo imported at the first call): torch.compile runs it eagerly: Dynamo traces neither the gathers nor their bytes
     def forward(ctx, x, context, fn):
         every = x.contiguous()
         for group in context:

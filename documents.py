@@ -42,7 +42,7 @@ def gather_sequence(x, group):
     return gather_ring(x, group).movedim(0, 1).flatten(1)  # (P, B, S/P) -> (B, P, S/P) -> (B, S)
 
 
-@torch.compiler.disable  # compiled, its loop over the data's documents would recompile for each new count
+@torch._disable_dynamo  # torch.compiler.disable, Dynamo imported at the first call; compiled, its loop over the data's documents would recompile for each new count
 def document_attention(q, k, v, position_ids, window=None):
     """Causal (or sliding-window) attention inside each document of a packed sequence, never across documents.
     q [B, S, Hq, D], k and v [B, S, Hkv, D] -> [B, S, Hq, D]. position_ids [B, S] are the positions of the FULL
