@@ -202,6 +202,21 @@ def test_a_bug_in_a_one_process_run_keeps_its_traceback(one_rank, monkeypatch):
         train.main(["--steps", "1", "--n-embd", "32", "--seq-len", "32"])
 
 
+def test_running_out_of_memory_is_one_line(one_rank, monkeypatch):
+    """Memory the allocator cannot give (here 4 EiB of CPU memory, asked for as a step would; on a GPU,
+    torch.OutOfMemoryError) ends the run with one line, exit status 1, what it asked for and what would fit; any
+    other RuntimeError keeps its traceback."""
+    monkeypatch.setattr(train, "train_step", lambda *args: torch.empty(2**62, dtype=torch.uint8))
+    with pytest.raises(SystemExit, match=r"^train.py: error: rank 0: out of memory, tried to allocate "
+                                         r"4611686018427387904 bytes; choose a shorter --seq-len, .* finds the "
+                                         r"longest sequence that fits\)$"):
+        train.main(["--steps", "1", "--n-embd", "32", "--seq-len", "32"])
+    gpu = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB. GPU 0 has a total capacity ...")
+    for error, line in ((gpu, "tried to allocate 20.00 GiB; choose"), (RuntimeError("mat1 and mat2 shapes"), None)):
+        with pytest.raises(SystemExit if line else RuntimeError, match=line or "mat1"), launch.one_line_errors():
+            raise error
+
+
 def test_hung_rank_ends_the_run_within_the_timeout(tmp_path):
     """A peer that stops answering: the others give up after --timeout seconds, naming the collective."""
     launcher, _, workers = start_long_run(tmp_path, [], timeout=4)  # the two ranks meet within 4 s of each other

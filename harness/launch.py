@@ -30,6 +30,7 @@ import argparse
 import datetime
 import math
 import os
+import re
 import signal
 import sys
 import threading
@@ -69,7 +70,8 @@ def fail(message, alike=True):
 
 @contextmanager
 def one_line_errors():
-    """Turn a Mistake into its line and exit status 1, on every rank, and SIGINT (Ctrl-C) or SIGTERM into one line
+    """Turn a Mistake into its line and exit status 1, on every rank, running out of memory into one line and exit
+    status 1 on that rank (torchrun then stops the others), and SIGINT (Ctrl-C) or SIGTERM into one line
     and exit status 128 + the signal's number. A rank that prints nothing waits a moment before it exits, so that
     one torchrun, which stops every worker as soon as one fails, lets the line out."""
     rank = int(os.environ.get("RANK", 0))
@@ -86,6 +88,13 @@ def one_line_errors():
         if e.alike and int(os.environ.get("LOCAL_RANK", 0)) != 0:  # each node's first rank says it, once a node
             leave_quietly(1)
         raise SystemExit(f"train.py: error: {'' if e.alike else f'rank {rank}: '}{e}") from None
+    except RuntimeError as e:  # torch.OutOfMemoryError on a GPU, the CPU allocator's RuntimeError
+        asked = re.search(r"tried to allocate ([\d.]+ \w+)", str(e), re.IGNORECASE)
+        if not (isinstance(e, torch.OutOfMemoryError) or "can't allocate memory" in str(e)) or not asked:
+            raise
+        raise SystemExit(f"train.py: error: rank {rank}: out of memory, tried to allocate {asked[1]}; choose a shorter "
+                         f"--seq-len, a smaller --batch-size or model, or --tiles, --recompute, --offload (--plan "
+                         f"NxG finds the longest sequence that fits)") from None
     finally:
         for signum, handler in before.items():
             signal.signal(signum, handler)
