@@ -35,6 +35,8 @@ from harness import bench, launch
                                              r"--ring in \{2, 4\}"),
     (4, ["--n-head", "2", "--n-embd", "32", "--layer-pattern", "da"],  # a ring cannot carry Gated DeltaNet
      r"a rank would hold no head; choose --sp in \{1, 2\}$"),
+    (4, ["--n-head", "2", "--n-embd", "32", "--layer-pattern", "da", "--gdn-k-heads", "1", "--gdn-v-heads", "1"],
+     r"a rank would hold no head; choose --sp in \{1\}$"),  # and none of the 1 value heads of a d layer
     (4, ["--ring", "3"], r"--ring 3 does not divide --sp 4; choose --ring in \{1, 2, 4\}"),
     (1, ["--layer-pattern", "da", "--gdn-k-heads", "4", "--gdn-v-heads", "6"],
      r"gdn_v_heads=6 is not a multiple of gdn_k_heads=4; choose gdn_v_heads in \{4, 8, 12, 16, \.\.\.\}"),

@@ -278,7 +278,9 @@ def check_args(args, world_size):
     if args.ring > 1 and refusal:
         fail(f"--ring {args.ring} cannot be used with {refusal}; use --ring 1")
     if "a" in args.layer_pattern and args.sp // args.ring > args.n_head:  # a Ulysses rank would hold no head
-        sps = [p for p in range(1, min(world_size, args.n_head) + 1) if world_size % p == 0]
+        gdn_ulysses = "d" in args.layer_pattern and args.gdn_parallel == "ulysses"  # its layers' value heads split too
+        heads = min(args.n_head, cfg.gdn_v_heads) if gdn_ulysses else args.n_head
+        sps = [p for p in range(1, min(world_size, heads) + 1) if world_size % p == 0]  # each rank a head of each layer
         rings = [r for r in range(2, args.sp + 1) if args.sp % r == 0 and args.sp // r <= args.n_head]
         ring_too = "" if refusal else f", or --ring in {{{', '.join(map(str, rings))}}}"
         fail(f"--sp {args.sp} with --ring {args.ring} puts {args.sp // args.ring} ranks in each Ulysses group, more "
