@@ -60,6 +60,15 @@ def test_tiled_loss_matches_untiled(all_ignored):
         assert results[1][0].item() == 0 and all(torch.all(g == 0) for g in results[1][2:])  # 0, never NaN
 
 
+@pytest.mark.parametrize("S_labels", [12, 14])
+def test_tiles_refuse_inputs_of_other_lengths(S_labels):
+    """Every input is cut at the same tokens: labels one token short, or one too many (whose last label the tiles
+    would drop unseen), are refused in one line that names the shapes."""
+    x, weight = torch.randn(2, 13, 16), torch.randn(64, 16)
+    with pytest.raises(ValueError, match=rf"^sequence_tiled_compute: inputs \[\(2, 13, 16\), \(2, {S_labels}\)\]; "):
+        tiled.tiled_lm_loss(F.linear, x, _labels_with_gaps((2, S_labels)), [weight], 4)
+
+
 def test_tiled_keeps_only_its_input_and_sends_each_gradient_once():
     """A ZeRO-3 post-accumulate-grad hook must fire once per backward, not once per tile."""
     x = torch.randn(2, 13, 16, requires_grad=True)

@@ -119,6 +119,9 @@ def sequence_tiled_compute(fn, inputs, params, n_tiles):
     compute with these, not with module attributes it reads itself: a ZeRO-3 sharder or a checkpoint's
     recomputation may have put other tensor objects there by the time backward runs (ValueError if so).
     """
+    if any(t.dim() < 2 or t.shape[:2] != inputs[0].shape[:2] for t in inputs):
+        raise ValueError(f"sequence_tiled_compute: inputs {[tuple(t.shape) for t in inputs]}; want [B, S, ...] each, "
+                         f"of one B and one S, as each tile cuts them all at the same tokens")
     params = tuple(params)
     n_tiles = max(1, min(n_tiles, inputs[0].shape[1]))  # same S on every rank -> same count on every rank
     return _SequenceTiled.apply(fn, n_tiles, len(inputs), *inputs, *params)
