@@ -90,9 +90,9 @@ def one_line_errors():
         raise SystemExit(f"train.py: error: {'' if e.alike else f'rank {rank}: '}{e}") from None
     except RuntimeError as e:  # torch.OutOfMemoryError on a GPU, the CPU allocator's RuntimeError
         asked = re.search(r"tried to allocate ([\d.]+ \w+)", str(e), re.IGNORECASE)
-        refused = isinstance(e, torch.OutOfMemoryError) or "can't allocate memory" in str(e)  # Linux's CPU allocator
-        if not (refused or "not enough memory" in str(e)) or not asked:  # Windows'; then any other error as it is
-            raise
+        cpu_refused = any(words in str(e) for words in ("can't allocate memory", "not enough memory"))  # Linux, Windows
+        if not (asked and (cpu_refused or isinstance(e, torch.OutOfMemoryError))):
+            raise  # any other error, with its traceback
         raise SystemExit(f"train.py: error: rank {rank}: out of memory, tried to allocate {asked[1]}; choose a shorter "
                          f"--seq-len, a smaller --batch-size or model, or --tiles, --recompute, --offload (--plan "
                          f"NxG finds the longest sequence that fits)") from None
