@@ -52,7 +52,6 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.utils._pytree import tree_leaves
 
 # torch 2.13 names the two collectives of ZeRO *_single and deprecates the old names; older torch (2.11) has only
@@ -262,6 +261,7 @@ def fsdp2_shard(model, units, group, compute_dtype=None):
     """The same scheme (gather, free, reduce-scatter a unit at a time) by PyTorch's FSDP2, which shards each parameter
     by rows, for comparison: one FSDP unit per unit, then the root, with gradients summed over the ranks like ZeRO3's.
     Give the optimizer model.parameters() (DTensor shards)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # here: DTensor takes 0.7 s to import
     mesh = DeviceMesh.from_group(group or dist.group.WORLD, next(model.parameters()).device.type)
     # compute_dtype for the gathered parameters alone, like ZeRO3: the inputs of a unit (the float32 residual
     # stream, RoPE's tables) keep their dtype; the sums as ZeRO3's

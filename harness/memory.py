@@ -24,8 +24,6 @@ import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
 from torch._library.custom_ops import _maybe_get_opdef
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._sharding_prop import ShardingPropagator
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakIdKeyDictionary
 
@@ -96,6 +94,9 @@ class StorageBytes(TorchDispatchMode):
         self.finalizers, self.alive, self.peaks = [], {"device": 0, "host": 0}, {"device": 0, "host": 0}
         self.depth = 0  # an operator's body, counted inside the count, enters it again
         self.propagating = 0  # inside DTensor's sharding propagation: uncounted
+        from torch.distributed.tensor import DTensor  # imported here: 0.7 s that a run ending at its flags skips
+        from torch.distributed.tensor._sharding_prop import ShardingPropagator
+        self.DTensor, self.ShardingPropagator = DTensor, ShardingPropagator
         for t in existing:
             self._see(t)
 
@@ -104,7 +105,7 @@ class StorageBytes(TorchDispatchMode):
     host_peak = property(lambda self: self.peaks["host"])
 
     def _see(self, t):
-        t = t.to_local() if isinstance(t, DTensor) else t
+        t = t.to_local() if isinstance(t, self.DTensor) else t
         storage = t.untyped_storage()
         if storage not in self.sizes:  # (a fake tensor's storage is on the meta device, whatever the tensor's)
             self.sizes[storage] = size = [0, "host" if t.device.type == self.host else "device"]
@@ -118,7 +119,7 @@ class StorageBytes(TorchDispatchMode):
         self.peaks[size[1]] = max(self.peaks[size[1]], self.alive[size[1]])
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if DTensor in types:
+        if self.DTensor in types:
             return NotImplemented  # DTensor runs first, and its local ops come through here
         if self.propagating:  # what DTensor makes to learn an op's output shape: no memory of a step
             return func(*args, **(kwargs or {}))
@@ -147,7 +148,7 @@ class StorageBytes(TorchDispatchMode):
             torch.UntypedStorage.resize_ = counted_resize
             # DTensor (FSDP2) learns each new op's output shape on fake copies of its inputs at their global size,
             # once per shape: a trace that met the shapes before would count less. None counts
-            propagate = self.propagate = ShardingPropagator._propagate_tensor_meta_non_cached
+            propagate = self.propagate = self.ShardingPropagator._propagate_tensor_meta_non_cached
 
             def uncounted(*args, **kwargs):
                 self.propagating += 1
@@ -155,14 +156,14 @@ class StorageBytes(TorchDispatchMode):
                     return propagate(*args, **kwargs)
                 finally:
                     self.propagating -= 1
-            ShardingPropagator._propagate_tensor_meta_non_cached = uncounted
+            self.ShardingPropagator._propagate_tensor_meta_non_cached = uncounted
         return super().__enter__()
 
     def __exit__(self, *exc):
         self.depth -= 1
         if self.depth == 0:  # the count ends: no storage freed from now on changes it
             torch.UntypedStorage.resize_ = self.resize
-            ShardingPropagator._propagate_tensor_meta_non_cached = self.propagate
+            self.ShardingPropagator._propagate_tensor_meta_non_cached = self.propagate
             for finalizer in self.finalizers:
                 finalizer.detach()
         return super().__exit__(*exc)
