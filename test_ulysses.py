@@ -250,21 +250,27 @@ def _mismatched_inputs_rank(rank, world_size):
         ulysses.ulysses_attention(q, k[..., :4], v, dist.group.WORLD)
     except ValueError as e:
         messages.append(str(e))
+    for sinks in ([torch.zeros(4), torch.zeros(5)], [torch.zeros(4), None]):  # rank 1: a sink too many, or none
+        try:
+            ulysses.ulysses_attention(q, k, v, dist.group.WORLD, ring.ring_attention, sinks=sinks[rank])
+        except ValueError as e:
+            messages.append(str(e))
     return messages
 
 
 def test_ranks_that_pass_different_inputs_are_refused():
     """Ranks whose q, k, v differ in tokens, dtype or heads, or a rank whose own q, k, v do not fit together (v's
     dtype, k's head size, a dtype it does not know, k and v of three dimensions), or every rank alike with q and k
-    of different head sizes: one error on every rank naming what each rank passed, never an abort inside gloo nor
-    ranks left waiting in the all-to-all."""
+    of different head sizes, or a rank with sinks of another shape or none: one error on every rank naming what each
+    rank passed, never an abort inside gloo, nor ranks left waiting in the all-to-all or computing apart."""
     for rank, messages in enumerate(run_ranks(2, _mismatched_inputs_rank)):
-        fine, unfit = (2, 4, 4, 8, 2, 8, 8, 1), (-1,) * 8  # [B, S/P, Hq, D, Hkv, Dk, Dv, dtype]; 1: float32
-        by_rank = [[fine, (2, 5, 4, 8, 2, 8, 8, 1)], [fine, (2, 4, 4, 8, 2, 8, 8, 0)], [fine, (2, 4, 6, 8, 2, 8, 8, 1)]]
-        by_rank += [[fine, unfit]] * 4 + [[unfit, unfit]]
+        fine, unfit = (2, 4, 4, 8, 2, 8, 8, 1, 0), (-1,) * 9  # [B, S/P, Hq, D, Hkv, Dk, Dv, dtype, sinks?]; 1: float32
+        by_rank = [[fine, (2, 5, 4, 8, 2, 8, 8, 1, 0)], [fine, (2, 4, 4, 8, 2, 8, 8, 0, 0)],
+                   [fine, (2, 4, 6, 8, 2, 8, 8, 1, 0)]]
+        by_rank += [[fine, unfit]] * 4 + [[unfit, unfit], [fine[:8] + (1,), unfit], [fine[:8] + (1,), fine]]
         assert messages == [f"ulysses_attention: q, k, v differ between the ranks or do not fit together ([B, S/P, "
-                            f"Hq, D, Hkv, Dk, Dv, dtype] by rank: {every}); want q [B, S/P, Hq, D], k [B, S/P, Hkv, "
-                            f"D], v [B, S/P, Hkv, Dv] of one float dtype, alike on every rank"
+                            f"Hq, D, Hkv, Dk, Dv, dtype, sinks?] by rank: {every}); want q [B, S/P, Hq, D], k [B, S/P, "
+                            f"Hkv, D], v [B, S/P, Hkv, Dv] of one float dtype, sinks [Hq] or none, alike on every rank"
                             for every in by_rank], (rank, messages)
 
 

@@ -28,8 +28,7 @@ Four rules make training on P ranks equal to training on one device; this file h
   4. divide each rank's SUM of token losses by the valid tokens of the WHOLE global batch (`global_valid_tokens`),
      and SUM the gradients over all ranks, data- and sequence-parallel alike, never average them.
 
-The file reads down the call path: `ulysses_attention` and its head layout, the exchange it calls, the attention
-kernels, the batch and the loss (rules 2 and 4), and the byte counts. It depends on torch alone: copy it anywhere.
+It reads down the call path: layer, head layout, exchange, kernels, batch, loss, bytes. Torch alone: copy it anywhere.
 """
 
 import operator
@@ -54,15 +53,15 @@ def ulysses_attention(q, k, v, group=None, attn_fn=None, check=True, sinks=None,
     D], a kv head per query head (kernel_kv_heads). Default causal_attention; ring.ring_attention over a ring group
     makes it Ulysses x Ring. group=None or of one rank: attn_fn alone. check: `check_inputs` first, unless compiling.
     sinks [Hq]: a learned logit per query head (gpt-oss); attn_fn gets this rank's as sinks=...."""
+    P, rank = size_and_rank(group)
+    if check and P > 1 and not torch.compiler.is_compiling():  # on every rank alike, before one could raise alone
+        check_inputs(q, k, v, group, sinks)
     if sinks is not None and (attn_fn is None or tuple(sinks.shape) != (q.shape[2],)):
         raise ValueError(f"ulysses_attention: sinks {tuple(sinks.shape)} need one logit per query head, "
                          f"[{q.shape[2]}], and an attn_fn that takes sinks=, e.g. ring.ring_attention")
     attn_fn = attn_fn or causal_attention
-    P, rank = size_and_rank(group)
     if P == 1:
         return attn_fn(q, k, v, **attn_kwargs) if sinks is None else attn_fn(q, k, v, sinks=sinks, **attn_kwargs)
-    if check and not torch.compiler.is_compiling():
-        check_inputs(q, k, v, group)
     # head counts as plain ints (operator.index), so torch.compile fixes the head layout; only S stays symbolic
     n_head, n_kv_head = operator.index(q.shape[2]), operator.index(k.shape[2])
     query_heads, kv_heads = head_layout(n_head, n_kv_head, P)
@@ -116,18 +115,19 @@ def kernel_kv_heads(n_head, n_kv_head, P, rank):
     return list(range(hkv)) if grouped else uses
 
 
-def check_inputs(q, k, v, group):
-    """ValueError on every rank unless every rank passes the same q [B, S/P, Hq, D], k [B, S/P, Hkv, D] and v [B,
-    S/P, Hkv, Dv] of one float dtype. The exchange assumes it: a mismatch would abort or hang the collective."""
+def check_inputs(q, k, v, group, sinks=None):
+    """ValueError on every rank unless every rank passes the same q [B, S/P, Hq, D], k [B, S/P, Hkv, D], v [B, S/P,
+    Hkv, Dv] of one float dtype, and sinks [Hq] or none. The exchange assumes it: else it would abort or hang."""
     dtypes = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
     fit = (q.dim() == k.dim() == v.dim() == 4 and q.shape[:2] == k.shape[:2] == v.shape[:2] and k.shape[2] == v.shape[2]
-           and q.shape[3] == k.shape[3] and q.dtype == k.dtype == v.dtype and q.dtype in dtypes)
-    mine = [*q.shape, *k.shape[2:], v.shape[3], dtypes.index(q.dtype)] if fit else [-1] * 8  # -1: unfit
-    every = _every_rank(mine, q.device, group)
+           and q.shape[3] == k.shape[3] and q.dtype == k.dtype == v.dtype and q.dtype in dtypes
+           and (sinks is None or tuple(sinks.shape) == (q.shape[2],)))
+    mine = [*q.shape, *k.shape[2:], v.shape[3], dtypes.index(q.dtype), sinks is not None] if fit else [-1] * 9
+    every = _every_rank(mine, q.device, group)  # -1: unfit
     if len(set(every)) > 1 or not fit:  # every rank gathered the same list, so every rank raises
         raise ValueError(f"ulysses_attention: q, k, v differ between the ranks or do not fit together ([B, S/P, Hq, "
-                         f"D, Hkv, Dk, Dv, dtype] by rank: {every}); want q [B, S/P, Hq, D], k [B, S/P, Hkv, D], v [B, "
-                         f"S/P, Hkv, Dv] of one float dtype, alike on every rank")
+                         f"D, Hkv, Dk, Dv, dtype, sinks?] by rank: {every}); want q [B, S/P, Hq, D], k [B, S/P, Hkv, "
+                         f"D], v [B, S/P, Hkv, Dv] of one float dtype, sinks [Hq] or none, alike on every rank")
 
 
 # ----------------------------------------------------------------------------------------------------------------
