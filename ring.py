@@ -50,20 +50,20 @@ aten = torch.ops.aten  # PyTorch's kernels by name (test_kernels.py puts CPU sta
 def ring_attention(q, k, v, group=None, layout=None, window=None, causal=True, scale=None, return_lse=False,
                    fused=True, position_ids=None, sinks=None):
     """Attention over a sequence split over the R ranks of `group` (None: this rank alone). q [B, L, Hq, D], k and v
-    [B, L, Hkv, D] -> [B, L, Hq, D]; q must be contiguous, as that output is (cuDNN's backward wants them alike).
-    return_lse: also the log-sum-exp [B, L, Hq], sinks included, float32 or wider, no gradient. layout: how the tokens
-    were sharded: "zigzag" (shard_for_ring), "contiguous", or each token's index [B, L] in the padded sequence, rising
-    on each rank, each token once over the ring (check_layout), with position_ids. window: the last `window` tokens,
-    its own included (0 or None: no window). position_ids [B, L]: 0 where a packed document starts (under USP,
-    gathered over the Ulysses group). sinks [Hq]: a logit per head. fused=False: the einsum tiles."""
+    [B, L, Hkv, D] -> [B, L, Hq, D], contiguous, as q is made (the kernels read D in a row; cuDNN's backward wants q
+    and out alike). return_lse: also the log-sum-exp [B, L, Hq], sinks included, float32 or wider, no gradient. layout:
+    how the tokens were sharded: "zigzag" (shard_for_ring), "contiguous", or each token's index [B, L] in the padded
+    sequence, rising on each rank, each token once over the ring (check_layout), with position_ids. window: the last
+    `window` tokens, its own included (0 or None: no window). position_ids [B, L]: 0 where a packed document starts
+    (under USP, gathered over the Ulysses group). sinks [Hq]: a logit per head. fused=False: the einsum tiles."""
     R = size_and_rank(group)[0]
     given = torch.is_tensor(layout)  # each token's index, not a layout by name
+    if not torch.compiler.is_compiling():  # first: one error on every rank, before a rank could raise alone
+        check_same_inputs(q, k, v, sinks, position_ids, layout, group, window, causal)
     if R > 1 and not given and layout not in ("zigzag", "contiguous"):  # a tensor's shape: check_same_inputs
         raise ValueError(f"layout={layout!r}: a ring of {R} ranks takes 'zigzag', 'contiguous' or token indices [B, L]")
     if window and (not causal or window < 0):
         raise ValueError(f"window={window}: a sliding window looks back from each query: 1 or more tokens, causal=True")
-    if not torch.compiler.is_compiling():
-        check_same_inputs(q, k, v, sinks, position_ids, layout if given else None, group)  # one error on every rank
     if R > 1 and layout == "zigzag" and q.shape[1] % 2:
         raise ValueError(f"{q.shape[1]} tokens on this rank: zigzag's two equal chunks need an even number")
     indices = (check_layout(layout, group) if given else  # (R, B, L): each ring rank's token indices, or (R, 1, L)
@@ -74,8 +74,8 @@ def ring_attention(q, k, v, group=None, layout=None, window=None, causal=True, s
         where = indices.expand_as(ids).transpose(0, 1).flatten(1)  # (B, R*L) = (B, S): each id's token index
         in_order = ids.new_empty(where.shape).scatter_(1, where, ids.transpose(0, 1).flatten(1))  # (B, S), in order
         documents = (in_order == 0).cumsum(1)  # (B, S)
-    out, lse = _ring_forward(q, k, v, sinks, documents, indices, group.group_name if group else "", window, causal,
-                             q.shape[-1] ** -0.5 if scale is None else scale, fused)
+    out, lse = _ring_forward(q.contiguous(), k, v, sinks, documents, indices, group.group_name if group else "",
+                             window, causal, q.shape[-1] ** -0.5 if scale is None else scale, fused)
     return (out, lse.transpose(1, 2)) if return_lse else out  # lse (B, Hq, L) -> (B, L, Hq)
 
 
@@ -393,27 +393,27 @@ def ring_bytes(R, kv_bytes, dkv_bytes):
     return (R - 1) * kv_bytes, (R - 1) * kv_bytes + (R * dkv_bytes if R > 1 else 0)
 
 
-def check_same_inputs(q, k, v, sinks, position_ids, layout, group):
+def check_same_inputs(q, k, v, sinks, position_ids, layout, group, window=None, causal=True):
     """One ValueError on every rank unless q, k, v fit together (sinks [Hq]; position_ids and token indices `layout`
-    [B, L], if given) and match on every rank of the ring: the sends assume it; else gloo aborts, or ranks wait."""
-    dtypes = [torch.float64, torch.float32, torch.bfloat16, torch.float16]
+    [B, L], if given) and match on every ring rank, options too: else gloo aborts, ranks wait, or compute apart."""
+    dtypes, given = [torch.float64, torch.float32, torch.bfloat16, torch.float16], torch.is_tensor(layout)
     fit = (q.dim() == k.dim() == 4 and k.shape == v.shape and q.shape[:2] == k.shape[:2] and q.shape[3] == k.shape[3]
            and k.shape[2] > 0 and q.shape[2] % k.shape[2] == 0 and q.dtype == k.dtype == v.dtype and q.dtype in dtypes
            and (sinks is None or sinks.shape == q.shape[2:3])
            and (position_ids is None or position_ids.shape == q.shape[:2])
-           and (layout is None or layout.shape == q.shape[:2] and position_ids is not None))
-    mine = ([*q.shape, k.shape[2], dtypes.index(q.dtype), position_ids is not None, layout is not None] if fit
-            else [-1] * 8)  # B, L, Hq, D, Hkv, dtype, whether position_ids and layout are given
-    every = gather_ring(torch.tensor([mine], device=q.device if group else "cpu"), group)[:, 0].tolist()  # (R, 8)
+           and (not given or layout.shape == q.shape[:2] and position_ids is not None))
+    mine = ([*q.shape, k.shape[2], dtypes.index(q.dtype), position_ids is not None, sinks is not None, window or 0,
+             causal, 2 if given else {"zigzag": 0, "contiguous": 1}.get(str(layout), 3)] if fit else [-1] * 11)
+    every = gather_ring(torch.tensor([mine], device=q.device if group else "cpu"), group)[:, 0].tolist()  # (R, 11)
     if every[0][0] < 0 or any(row != every[0] for row in every):
         shown = "; ".join(f"{rank}: {'unfit' if row[0] < 0 else [*row[:5], dtypes[row[5]], *row[6:]]}"
                           for rank, row in enumerate(every))
         this = "" if fit else " (this rank: " + ", ".join(f"{n} {tuple(t.shape)} {t.dtype}" for n, t in dict(
-            q=q, k=k, v=v, sinks=sinks, position_ids=position_ids, layout=layout).items() if t is not None) + ")"
+            q=q, k=k, v=v, sinks=sinks, position_ids=position_ids, layout=layout).items() if torch.is_tensor(t)) + ")"
         raise ValueError(f"the inputs differ between the ranks or do not fit together ([B, L, Hq, D, Hkv, dtype, "
-                         f"position_ids?, layout?] by rank: {shown}){this}; want q [B, L, Hq, D], k and v [B, L, Hkv, "
-                         f"D] of one dtype, Hq a multiple of Hkv, sinks [Hq], position_ids [B, L] (under USP, gathered "
-                         f"over the Ulysses group), token indices [B, L] only with them, alike on every rank")
+                         f"position_ids?, sinks?, window, causal, layout: 0 zigzag, 1 contiguous, 2 indices, 3 none] "
+                         f"by rank: {shown}){this}; want q [B, L, Hq, D], k and v [B, L, Hkv, D], one dtype, Hkv "
+                         f"dividing Hq, sinks [Hq], position_ids [B, L] (USP: gathered), token indices only with them")
 
 
 def gather_ring(x, group):

@@ -272,9 +272,11 @@ def test_fused_kernel_covers_every_block_without_a_window():
 def test_a_ring_of_one_sends_nothing_and_takes_an_empty_shard():
     """group=None: a ring of one rank, its own block alone (the causal square, found without a search; or one
     document's runs). Against SDPA in float64 (1e-12), fused and with the tiles, nothing sent; a rank that holds no
-    token gets empty results."""
-    for L, fused, packed in itertools.product((0, 6), (True, False), (False, True)):
-        q = torch.randn(1, L, 4, 8, dtype=torch.float64, requires_grad=True)
+    token gets empty results. q may lie in any strides (here its head size not contiguous): the fused kernel
+    gets it contiguous."""
+    for L, fused, packed, strided in itertools.product((0, 6), (True, False), (False, True), (False, True)):
+        q = (torch.randn(1, L, 8, 4, dtype=torch.float64).transpose(2, 3) if strided else
+             torch.randn(1, L, 4, 8, dtype=torch.float64)).requires_grad_()  # (1, L, 4, 8)
         k, v = (torch.randn(1, L, 2, 8, dtype=torch.float64, requires_grad=True) for _ in range(2))
         ring.reset_ring_stats()
         out = ring.ring_attention(q, k, v, fused=fused, position_ids=torch.arange(L)[None] if packed else None)
@@ -288,7 +290,7 @@ def test_a_ring_of_one_sends_nothing_and_takes_an_empty_shard():
                                                   enable_gqa=True).transpose(1, 2)
             want.backward(torch.ones_like(want))
             assert_all_close(got, [want.detach(), q.grad, k.grad, v.grad], 1e-12, 1e-12,
-                             where=f"fused={fused} packed={packed}")
+                             where=f"fused={fused} packed={packed} strided={strided}")
 
 
 def _options_rank(rank, R):
@@ -308,8 +310,8 @@ def _options_rank(rank, R):
             ring.ring_attention(q, q, q, dist.group.WORLD, "zigzag")
         except ValueError as e:
             errors.append(str(e))
-    try:
-        ring.ring_attention(q, q, q, dist.group.WORLD)
+    try:  # no layout, on every rank alike
+        ring.ring_attention(q.float(), q.float(), q.float(), dist.group.WORLD)
     except ValueError as e:
         errors.append(str(e))
     q = torch.zeros(1, 8, 4, 8)
@@ -336,6 +338,12 @@ def _options_rank(rank, R):
             ring.ring_attention(q, kv, kv, dist.group.WORLD, "zigzag", window=window, causal=causal)
         except ValueError as e:
             errors.append(str(e))
+    for option in (dict(sinks=torch.zeros(4)), dict(window=3), dict(window=-1), dict(causal=False),
+                   dict(layout="contiguous")):  # on rank 1 alone
+        try:
+            ring.ring_attention(q, kv, kv, dist.group.WORLD, **{"layout": "zigzag", **(option if rank == 1 else {})})
+        except ValueError as e:
+            errors.append(str(e))
     mine = ring.token_index("contiguous", rank, R, 8)[None]  # (1, 8): rising, each token once over the ranks
     ones = torch.ones(1, 8, dtype=torch.long)
     for index, position_ids in ((mine.flip(1) if rank == 1 else mine, ones),  # falling on rank 1
@@ -357,7 +365,8 @@ def test_ring_options_lse_and_mismatched_ranks():
     get one error on every rank naming each rank's value, never a gloo abort, and so does a rank whose own k and v
     do not fit its q (another head size, another dtype, three dimensions), whose sinks do not fit its query heads, or
     whose position ids have fewer rows than its queries, or whose token indices do not fit its queries, and ranks that
-    pass position ids or not (int32 on one rank, int64 on another, is fine); a ring called without its layout is
+    pass position ids or not (int32 on one rank, int64 on another, is fine), or one rank whose sinks, window (one
+    that looks forward, too), causal or layout differ from the others'; a ring called without its layout is
     refused, and so are a window that looks forward, a window without causal attention, and token indices that fall
     on a rank or repeat a token."""
     R = 3
@@ -375,34 +384,36 @@ def test_ring_options_lse_and_mismatched_ranks():
             for full, part in zip(got, parts):
                 full[:, index] = part
         assert_all_close(got, want, 1e-12, 1e-12, where=f"case {i}")
-    want = ("; want q [B, L, Hq, D], k and v [B, L, Hkv, D] of one dtype, Hq a multiple of Hkv, sinks [Hq], "
-            "position_ids [B, L] (under USP, gathered over the Ulysses group), token indices [B, L] only with them, "
-            "alike on every rank")
+    want = ("; want q [B, L, Hq, D], k and v [B, L, Hkv, D], one dtype, Hkv dividing Hq, sinks [Hq], position_ids "
+            "[B, L] (USP: gathered), token indices only with them")
     by_rank = ("the inputs differ between the ranks or do not fit together ([B, L, Hq, D, Hkv, dtype, position_ids?, "
-               "layout?] by rank: ")
+               "sinks?, window, causal, layout: 0 zigzag, 1 contiguous, 2 indices, 3 none] by rank: ")
     fp32, fp64 = "torch.float32", "torch.float64"
+    row, plain = f"1, 8, 4, 8, 2, {fp32}", "0, 0, 0, 1, 0"  # plain: no position ids or sinks, no window, causal, zigzag
     for rank, (_, errors) in enumerate(per_rank):
-        unfit = [f"{by_rank}0: [1, 8, 4, 8, 2, {fp32}, 0, 0]; 1: unfit; 2: [1, 8, 4, 8, 2, {fp32}, 0, 0])"
-                 f"{mine if rank == 1 else ''}{want}" for mine in (
-                     f" (this rank: q (1, 8, 4, 8) {fp32}, k (1, 8, 2, 4) {fp32}, v (1, 8, 2, 4) {fp32})",
-                     f" (this rank: q (1, 8, 4, 8) {fp32}, k (1, 8, 2, 8) {fp64}, v (1, 8, 2, 8) {fp64})",
-                     f" (this rank: q (1, 8, 4, 8) {fp32}, k (1, 8, 2) {fp32}, v (1, 8, 2) {fp32})",
-                     f" (this rank: q (1, 8, 4, 8) {fp32}, k (1, 8, 2, 8) {fp32}, v (1, 8, 2, 8) {fp32}, sinks (3,) "
-                     f"{fp32})")]
-        row = f"1, 8, 4, 8, 2, {fp32}"
+        unfit = [f"{by_rank}0: [{row}, {options}]; 1: unfit; 2: [{row}, {options}])"
+                 f"{mine if rank == 1 else ''}{want}" for mine, options in (
+                     (f" (this rank: q (1, 8, 4, 8) {fp32}, k (1, 8, 2, 4) {fp32}, v (1, 8, 2, 4) {fp32})", plain),
+                     (f" (this rank: q (1, 8, 4, 8) {fp32}, k (1, 8, 2, 8) {fp64}, v (1, 8, 2, 8) {fp64})", plain),
+                     (f" (this rank: q (1, 8, 4, 8) {fp32}, k (1, 8, 2) {fp32}, v (1, 8, 2) {fp32})", plain),
+                     (f" (this rank: q (1, 8, 4, 8) {fp32}, k (1, 8, 2, 8) {fp32}, v (1, 8, 2, 8) {fp32}, sinks (3,) "
+                      f"{fp32})", "0, 1, 0, 1, 0"))]
         assert errors == [
-            f"{by_rank}0: [1, 10, 4, 8, 4, {fp32}, 0, 0]; 1: [1, 12, 4, 8, 4, {fp32}, 0, 0]; 2: [1, 12, 4, 8, 4, "
-            f"{fp32}, 0, 0]){want}",
-            f"{by_rank}0: [1, 12, 4, 8, 4, {fp32}, 0, 0]; 1: [1, 12, 4, 8, 4, {fp64}, 0, 0]; 2: [1, 12, 4, 8, 4, "
-            f"{fp64}, 0, 0]){want}",
+            f"{by_rank}0: [1, 10, 4, 8, 4, {fp32}, {plain}]; 1: [1, 12, 4, 8, 4, {fp32}, {plain}]; 2: [1, 12, 4, 8, "
+            f"4, {fp32}, {plain}]){want}",
+            f"{by_rank}0: [1, 12, 4, 8, 4, {fp32}, {plain}]; 1: [1, 12, 4, 8, 4, {fp64}, {plain}]; 2: [1, 12, 4, 8, "
+            f"4, {fp64}, {plain}]){want}",
             "layout=None: a ring of 3 ranks takes 'zigzag', 'contiguous' or token indices [B, L]"] + unfit + [
-            f"{by_rank}0: [2, 8, 4, 8, 2, {fp32}, 1, 0]; 1: unfit; 2: [2, 8, 4, 8, 2, {fp32}, 1, 0])" + (
-                f" (this rank: q (2, 8, 4, 8) {fp32}, k (2, 8, 2, 8) {fp32}, v (2, 8, 2, 8) {fp32}, position_ids "
-                f"(1, 8) torch.int64)" if rank == 1 else "") + want] + [
+            f"{by_rank}0: [2, 8, 4, 8, 2, {fp32}, 1, {plain[3:]}]; 1: unfit; 2: [2, 8, 4, 8, 2, {fp32}, 1, "
+            f"{plain[3:]}])" + (f" (this rank: q (2, 8, 4, 8) {fp32}, k (2, 8, 2, 8) {fp32}, v (2, 8, 2, 8) {fp32}, "
+                                f"position_ids (1, 8) torch.int64)" if rank == 1 else "") + want] + [
             f"window={w}: a sliding window looks back from each query: 1 or more tokens, causal=True"
-            for w in (-1, 4)] + ["layout: each ring rank must hold rising token indices, each token once"] * 2 + [
-            f"{by_rank}0: [{row}, 1, 0]; 1: [{row}, 0, 0]; 2: [{row}, 1, 0]){want}",
-            f"{by_rank}0: [{row}, 1, 1]; 1: unfit; 2: [{row}, 1, 1])" + (
+            for w in (-1, 4)] + [
+            f"{by_rank}0: [{row}, {plain}]; 1: [{row}, {options}]; 2: [{row}, {plain}]){want}"
+            for options in ("0, 1, 0, 1, 0", "0, 0, 3, 1, 0", "0, 0, -1, 1, 0", "0, 0, 0, 0, 0", "0, 0, 0, 1, 1")] + [
+            "layout: each ring rank must hold rising token indices, each token once"] * 2 + [
+            f"{by_rank}0: [{row}, 1, 0, 0, 1, 0]; 1: [{row}, {plain}]; 2: [{row}, 1, 0, 0, 1, 0]){want}",
+            f"{by_rank}0: [{row}, 1, 0, 0, 1, 2]; 1: unfit; 2: [{row}, 1, 0, 0, 1, 2])" + (
                 f" (this rank: q (1, 8, 4, 8) {fp32}, k (1, 8, 2, 8) {fp32}, v (1, 8, 2, 8) {fp32}, position_ids "
                 f"(1, 8) torch.int64, layout (1, 7) torch.int64)" if rank == 1 else "") + want]
 
