@@ -377,11 +377,14 @@ def test_a_node_killed_is_named_by_the_other(tmp_path, when):
 
 @pytest.mark.parametrize("node_argv, what", [((["--seq-len", "32"], ["--seq-len", "64"]), r"--seq-len: rank 0 has 32, "
                                               r"rank 1 has 64"),
-                                             ((["--data", "text.txt"],) * 2, r"the bytes of --data \(SHA-256\)")],
-                         ids=["flags", "stale-data"])
+                                             ((["--data", "text.txt"],) * 2, r"the bytes of --data \(SHA-256\)"),
+                                             (([], ["--metrics", "m.jsonl"]), r"whether --metrics is given: rank 0 has "
+                                              r"False, rank 1 has True")],
+                         ids=["flags", "stale-data", "metrics-on-one-node"])
 def test_nodes_that_disagree_are_refused(tmp_path, node_argv, what):
-    """Two nodes started with different flags, or whose data files hold different bytes (a stale copy on one):
-    every rank stops before training, with one line naming what differs."""
+    """Two nodes started with different flags, or whose data files hold different bytes (a stale copy on one), or
+    --metrics on the node that rank 0 is not on (nothing would be written): every rank stops before training, with
+    one line naming what differs."""
     for node, text in enumerate((PARAGRAPHS, PARAGRAPHS.replace("paragraph 3", "paragraph three"))):
         (tmp_path / f"node{node}").mkdir()
         (tmp_path / f"node{node}" / "text.txt").write_text(text)

@@ -405,7 +405,8 @@ def process_groups(args, world_size):
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     # the flags shape every collective to come, so the ranks compare them first (paths may differ by machine)
     flags = {**{f"--{name.replace('_', '-')}": value for name, value in vars(args).items()
-                if name not in ("data", "metrics", "out_dir")}, "whether --out-dir is given": args.out_dir is not None}
+                if name not in ("data", "metrics", "out_dir")}, "whether --out-dir is given": args.out_dir is not None,
+             "whether --metrics is given": args.metrics is not None}  # rank 0 alone writes them: its node must have it
     control, mesh = dist.new_group(backend="gloo", timeout=datetime.timedelta(days=1)), None
     try:
         with pulse(dist.get_rank()):
