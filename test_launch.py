@@ -237,6 +237,23 @@ def test_hung_rank_ends_the_run_within_the_timeout(tmp_path):
     assert waited < 4 + 10
 
 
+def test_a_signal_stops_a_rank_that_waits_on_a_stopped_peer(tmp_path):
+    """Ctrl-C (SIGINT) to a rank that waits in a collective for a peer that stopped answering: the rank ends with
+    its line at once, not when --timeout ends the wait (Python runs a signal handler only between its own steps)."""
+    launcher, _, workers = start_long_run(tmp_path, [], timeout=60)
+    os.kill(workers[1], signal.SIGSTOP)
+    time.sleep(1)  # rank 0 is in the next collective by now, waiting for rank 1
+    os.kill(workers[0], signal.SIGINT)
+    stopped = time.time()
+    for line in launcher.stdout:
+        if "train.py: error:" in line:
+            break
+    waited = time.time() - stopped
+    os.kill(workers[1], signal.SIGKILL)
+    launcher.communicate(timeout=60)
+    assert "train.py: error: rank 0: stopped by SIGINT" in line and waited < 10, (line, waited)
+
+
 def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):
     out_dir = tmp_path / "run"
     with pytest.raises(SystemExit, match=r"step 2: loss nan, gradient norm nan; stopped before the update"):

@@ -74,14 +74,27 @@ def one_line_errors():
     status 1 on that rank (torchrun then stops the others), and SIGINT (Ctrl-C) or SIGTERM into one line
     and exit status 128 + the signal's number. A rank that prints nothing waits a moment before it exits, so that
     one torchrun, which stops every worker as soon as one fails, lets the line out."""
-    rank = int(os.environ.get("RANK", 0))
+    rank, once, (woken, wake) = int(os.environ.get("RANK", 0)), threading.Lock(), os.pipe()
 
     def stopped(signum, frame):
         # at once, and without the cleanup a normal exit does, which could wait on peers that are already gone; a
         # checkpoint being written stays a .tmp directory, which is never taken for a complete one
-        print(f"train.py: error: rank {rank}: stopped by {signal.Signals(signum).name}", file=sys.stderr, flush=True)
-        os._exit(128 + signum)
+        with once:  # by the handler or by the thread below, whichever comes first
+            print(f"train.py: error: rank {rank}: stopped by {signal.Signals(signum).name}", file=sys.stderr,
+                  flush=True)
+            os._exit(128 + signum)
+
+    def signalled():
+        # a handler runs only once the main thread is back in Python: a rank waiting in a collective for a peer that
+        # stopped would wait --timeout. The signal's number also comes down this pipe at once, and this thread acts
+        while signum := os.read(woken, 1):
+            if signum[0] in (signal.SIGINT, signal.SIGTERM):
+                stopped(signum[0], None)
+        os.close(woken)  # the other end was closed: the run is over
     before = {signum: signal.signal(signum, stopped) for signum in (signal.SIGINT, signal.SIGTERM)}
+    os.set_blocking(wake, False)
+    woke_before = signal.set_wakeup_fd(wake)
+    threading.Thread(target=signalled, daemon=True).start()
     try:
         yield
     except Mistake as e:
@@ -99,6 +112,8 @@ def one_line_errors():
     finally:
         for signum, handler in before.items():
             signal.signal(signum, handler)
+        signal.set_wakeup_fd(woke_before)
+        os.close(wake)  # the thread reads the end of the pipe, and ends
 
 
 def leave_quietly(status):
@@ -106,6 +121,7 @@ def leave_quietly(status):
     line that a peer is printing should get out first. Stopped meanwhile (torchrun's SIGTERM), it leaves silently."""
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda *_: os._exit(status))
+    signal.set_wakeup_fd(-1)  # nor does one_line_errors' thread say a line
     time.sleep(2)
     raise SystemExit(status)
 
