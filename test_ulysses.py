@@ -175,6 +175,10 @@ def test_attention_kernels_match_the_dense_formula():
     torch.testing.assert_close(ulysses.causal_attention(q, k, v), _dense_attention(q, k, v, causal))
     torch.testing.assert_close(ulysses.sliding_window_attention(q, k, v, window=5),
                                _dense_attention(q, k, v, causal & (i[:, None] - i[None, :] < 5)))
+    for window in (0, None):  # no window, as ring.ring_attention takes it
+        torch.testing.assert_close(ulysses.sliding_window_attention(q, k, v, window), _dense_attention(q, k, v, causal))
+    with pytest.raises(ValueError, match=r"^window=-1: a sliding window looks back from each query: 1 or more tokens"):
+        ulysses.sliding_window_attention(q, k, v, -1)
     position_ids = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 5, 6, 0, 1, 0, 1],
                                  [5, 6, 7, 8, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]])  # row 1 opens mid-document
     document = (position_ids == 0).cumsum(1)  # (B, S): which document each token is in

@@ -226,10 +226,12 @@ def causal_attention(q, k, v):
 
 
 def sliding_window_attention(q, k, v, window):
-    """Causal attention over the last `window` tokens: token i sees tokens i-window+1 .. i. SDPA takes the window
-    as an [S, S] mask, which it keeps for backward; ring.ring_attention(q, k, v, window=...) holds less."""
+    """Causal attention over the last `window` tokens (0 or None: all, as causal_attention): token i sees tokens
+    i-window+1 .. i. SDPA keeps the window's [S, S] mask for backward; ring.ring_attention(window=...) holds less."""
+    if window is not None and window < 0:
+        raise ValueError(f"window={window}: a sliding window looks back from each query: 1 or more tokens (0: all)")
     S = q.shape[1]
-    visible = torch.ones(S, S, dtype=torch.bool, device=q.device).tril_().triu_(1 - window)  # (S, S): i-window < j <= i
+    visible = torch.ones(S, S, dtype=torch.bool, device=q.device).tril_().triu_(1 - (window or S))  # i-window < j <= i
     return _sdpa(q, k, v, attn_mask=visible)
 
 
@@ -275,10 +277,9 @@ def shard_for_sp(input_ids, labels, position_ids, group=None):
 
 
 def global_valid_tokens(labels, group=None):
-    """The labelled tokens (label != -100) of the whole global batch, an int64 tensor. labels: this rank's [B,
-    S_local], or a list (one per micro-step); group: every rank of the batch, data- and sequence-parallel. Each rank
-    divides the SUM of its token losses by it, so the summed gradients are those of the global batch's mean loss.
-    Never 0: a batch without labels gives loss 0, not NaN."""
+    """The labelled tokens (label != -100) of the whole global batch, an int64 tensor, never 0 (no labels: loss 0, not
+    NaN). labels: this rank's [B, S_local], or a list (one per micro-step); group: every rank of the batch, data- and
+    sequence-parallel. Each rank divides the SUM of its token losses by it; summed, its gradients are the mean's."""
     labels = [labels] if torch.is_tensor(labels) else labels
     count = sum(((l != -100).sum() for l in labels), torch.zeros((), dtype=torch.int64))  # () int64; 0 for []
     if size_and_rank(group)[0] > 1:
@@ -288,9 +289,8 @@ def global_valid_tokens(labels, group=None):
 
 
 def check_shards(x, group=None):
-    """ValueError on every rank unless every rank of the group holds token ids x of one [B, S_local]. The all-to-alls
-    assume it: a mismatch would abort or hang the collective.
-    shard_for_sp always cuts equal shards; a model calls this once per forward (one all-gather of two numbers)."""
+    """ValueError on every rank unless every rank of the group holds token ids x of one [B, S_local], as shard_for_sp
+    cuts them (else the all-to-alls abort or hang). A model calls it once a forward: one all-gather of two numbers."""
     shapes = _every_rank([*x.shape] if x.dim() == 2 else [-1, -1], x.device, group)  # -1: not [B, S_local]
     if len(set(shapes)) > 1 or shapes[0][0] == -1:
         raise ValueError(f"the ranks of the SP group must hold [batch, tokens] shards of one shape; they hold "
