@@ -219,18 +219,28 @@ def test_running_out_of_memory_is_one_line(one_rank, monkeypatch):
             raise error
 
 
-def test_hung_rank_ends_the_run_within_the_timeout(tmp_path):
-    """A peer that stops answering: the others give up after --timeout seconds, naming the collective."""
-    launcher, _, workers = start_long_run(tmp_path, [], timeout=4)  # the two ranks meet within 4 s of each other
+def _rank_1_stopped(tmp_path, timeout, signal_rank_0=None):
+    """A long run under torchrun whose rank 1 stops answering (SIGSTOP) and, a second later, rank 0 gets
+    `signal_rank_0` if given: (the first error line, seconds from the stop or the signal to it, torchrun's status)."""
+    launcher, _, workers = start_long_run(tmp_path, [], timeout=timeout)
     os.kill(workers[1], signal.SIGSTOP)
-    stopped = time.time()
+    if signal_rank_0:
+        time.sleep(1)  # rank 0 is in the next collective by now, waiting for rank 1
+        os.kill(workers[0], signal_rank_0)
+    begun = time.time()
     for line in launcher.stdout:
         if "train.py: error:" in line:
             break
-    waited = time.time() - stopped
+    waited = time.time() - begun
     os.kill(workers[1], signal.SIGKILL)  # torchrun would wait 30 s for a stopped process to take its SIGTERM
     launcher.communicate(timeout=60)
-    assert launcher.returncode != 0
+    return line, waited, launcher.returncode
+
+
+def test_hung_rank_ends_the_run_within_the_timeout(tmp_path):
+    """A peer that stops answering: the others give up after --timeout seconds, naming the collective."""
+    line, waited, status = _rank_1_stopped(tmp_path, 4)  # the two ranks meet within 4 s of each other
+    assert status != 0
     named = r"(\w+|the collective waited on at [\w.]+:\d+)"  # a call, or the line that waited on an async one
     assert re.search(rf"rank \d+, step \d+: {named} failed \(a peer process died, or waited longer than "
                      r"--timeout 4 s\)", line)
@@ -240,18 +250,8 @@ def test_hung_rank_ends_the_run_within_the_timeout(tmp_path):
 def test_a_signal_stops_a_rank_that_waits_on_a_stopped_peer(tmp_path):
     """Ctrl-C (SIGINT) to a rank that waits in a collective for a peer that stopped answering: the rank ends with
     its line at once, not when --timeout ends the wait (Python runs a signal handler only between its own steps)."""
-    launcher, _, workers = start_long_run(tmp_path, [], timeout=60)
-    os.kill(workers[1], signal.SIGSTOP)
-    time.sleep(1)  # rank 0 is in the next collective by now, waiting for rank 1
-    os.kill(workers[0], signal.SIGINT)
-    stopped = time.time()
-    for line in launcher.stdout:
-        if "train.py: error:" in line:
-            break
-    waited = time.time() - stopped
-    os.kill(workers[1], signal.SIGKILL)
-    launcher.communicate(timeout=60)
-    assert "train.py: error: rank 0: stopped by SIGINT" in line and waited < 10, (line, waited)
+    line, waited, status = _rank_1_stopped(tmp_path, 60, signal.SIGINT)
+    assert status != 0 and "train.py: error: rank 0: stopped by SIGINT" in line and waited < 10, (line, waited)
 
 
 def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):
