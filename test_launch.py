@@ -261,6 +261,25 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):
     assert sorted(os.listdir(out_dir)) == [".lock", "step_000001"]
 
 
+def test_the_pulse_stops_when_its_store_is_gone(monkeypatch):
+    """A rank beats in the store every `every` seconds while it runs, and stops at the first beat that fails (the
+    store went with its host): each failed call would print torch's warning, many lines, twice a second."""
+    class Store:
+        beats, failed, down = 0, 0, False
+
+        def add(self, key, amount):
+            if Store.down:
+                Store.failed += 1
+                raise RuntimeError("recvValue failed: Connection reset by peer")
+            Store.beats += 1
+    monkeypatch.setattr(dist.distributed_c10d, "_get_default_store", Store)
+    with launch.pulse(0, every=0.01):
+        time.sleep(0.1)
+        Store.down = True
+        time.sleep(0.1)
+    assert Store.beats > 3 and Store.failed == 1, (Store.beats, Store.failed)
+
+
 def test_a_long_step_says_where_it_is(monkeypatch):
     """StepProgress: a step that runs for longer than its interval shows the step, its time and the layer on the
     progress bar, forward and backward, and nothing once the step has ended."""

@@ -458,11 +458,14 @@ def device_mesh(args, world_size, device_type):
 def pulse(rank, every=0.5):
     """A beat of this rank while the block runs: a counter in the process group's store, one more every `every`
     seconds, so that a rank whose collective failed can tell which peers are gone (lost_ranks)."""
-    store = dist.distributed_c10d._get_default_store()
+    store, gone = dist.distributed_c10d._get_default_store(), []
 
     def beat():
-        with suppress(RuntimeError):  # the store went with its host; lost_ranks says so
-            store.add(f"pulse_{rank}", 1)
+        if not gone:  # once the store has gone with its host (lost_ranks says so), no more beats: each would warn
+            try:
+                store.add(f"pulse_{rank}", 1)
+            except RuntimeError:
+                gone.append(True)
     return repeating(beat, every)
 
 
