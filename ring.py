@@ -402,7 +402,7 @@ def check_same_inputs(q, k, v, sinks, position_ids, layout, group, window=None, 
            and (sinks is None or sinks.shape == q.shape[2:3])
            and (position_ids is None or position_ids.shape == q.shape[:2])
            and (not given or layout.shape == q.shape[:2] and position_ids is not None))
-    mine = ([*q.shape, k.shape[2], dtypes.index(q.dtype), position_ids is not None, sinks is not None, window or 0,
+    mine = ([*q.shape, k.shape[2], dtypes.index(q.dtype), position_ids is not None, sinks is not None, int(window or 0),
              causal, 2 if given else {"zigzag": 0, "contiguous": 1}.get(str(layout), 3)] if fit else [-1] * 11)
     every = gather_ring(torch.tensor([mine], device=q.device if group else "cpu"), group)[:, 0].tolist()  # (R, 11)
     if every[0][0] < 0 or any(row != every[0] for row in every):
@@ -411,9 +411,9 @@ def check_same_inputs(q, k, v, sinks, position_ids, layout, group, window=None, 
         this = "" if fit else " (this rank: " + ", ".join(f"{n} {tuple(t.shape)} {t.dtype}" for n, t in dict(
             q=q, k=k, v=v, sinks=sinks, position_ids=position_ids, layout=layout).items() if torch.is_tensor(t)) + ")"
         raise ValueError(f"the inputs differ between the ranks or do not fit together ([B, L, Hq, D, Hkv, dtype, "
-                         f"position_ids?, sinks?, window, causal, layout: 0 zigzag, 1 contiguous, 2 indices, 3 none] "
-                         f"by rank: {shown}){this}; want q [B, L, Hq, D], k and v [B, L, Hkv, D], one dtype, Hkv "
-                         f"dividing Hq, sinks [Hq], position_ids [B, L] (USP: gathered), token indices only with them")
+                         f"position_ids?, sinks?, window, causal, layout: 0 zigzag, 1 contiguous, 2 indices, 3 none or "
+                         f"another] by rank: {shown}){this}; want q [B, L, Hq, D], k and v [B, L, Hkv, D], one dtype, "
+                         f"Hkv dividing Hq, sinks [Hq], position_ids [B, L] (USP: gathered), indices only with them")
 
 
 def gather_ring(x, group):

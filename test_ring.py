@@ -339,7 +339,7 @@ def _options_rank(rank, R):
         except ValueError as e:
             errors.append(str(e))
     for option in (dict(sinks=torch.zeros(4)), dict(window=3), dict(window=-1), dict(causal=False),
-                   dict(layout="contiguous")):  # on rank 1 alone
+                   dict(layout="contiguous"), dict(window=3.0)):  # on rank 1 alone (3.0: the row stays whole numbers)
         try:
             ring.ring_attention(q, kv, kv, dist.group.WORLD, **{"layout": "zigzag", **(option if rank == 1 else {})})
         except ValueError as e:
@@ -385,9 +385,9 @@ def test_ring_options_lse_and_mismatched_ranks():
                 full[:, index] = part
         assert_all_close(got, want, 1e-12, 1e-12, where=f"case {i}")
     want = ("; want q [B, L, Hq, D], k and v [B, L, Hkv, D], one dtype, Hkv dividing Hq, sinks [Hq], position_ids "
-            "[B, L] (USP: gathered), token indices only with them")
+            "[B, L] (USP: gathered), indices only with them")
     by_rank = ("the inputs differ between the ranks or do not fit together ([B, L, Hq, D, Hkv, dtype, position_ids?, "
-               "sinks?, window, causal, layout: 0 zigzag, 1 contiguous, 2 indices, 3 none] by rank: ")
+               "sinks?, window, causal, layout: 0 zigzag, 1 contiguous, 2 indices, 3 none or another] by rank: ")
     fp32, fp64 = "torch.float32", "torch.float64"
     row, plain = f"1, 8, 4, 8, 2, {fp32}", "0, 0, 0, 1, 0"  # plain: no position ids or sinks, no window, causal, zigzag
     for rank, (_, errors) in enumerate(per_rank):
@@ -410,7 +410,8 @@ def test_ring_options_lse_and_mismatched_ranks():
             f"window={w}: a sliding window looks back from each query: 1 or more tokens, causal=True"
             for w in (-1, 4)] + [
             f"{by_rank}0: [{row}, {plain}]; 1: [{row}, {options}]; 2: [{row}, {plain}]){want}"
-            for options in ("0, 1, 0, 1, 0", "0, 0, 3, 1, 0", "0, 0, -1, 1, 0", "0, 0, 0, 0, 0", "0, 0, 0, 1, 1")] + [
+            for options in ("0, 1, 0, 1, 0", "0, 0, 3, 1, 0", "0, 0, -1, 1, 0", "0, 0, 0, 0, 0", "0, 0, 0, 1, 1",
+                            "0, 0, 3, 1, 0")] + [
             "layout: each ring rank must hold rising token indices, each token once"] * 2 + [
             f"{by_rank}0: [{row}, 1, 0, 0, 1, 0]; 1: [{row}, {plain}]; 2: [{row}, 1, 0, 0, 1, 0]){want}",
             f"{by_rank}0: [{row}, 1, 0, 0, 1, 2]; 1: unfit; 2: [{row}, 1, 0, 0, 1, 2])" + (
