@@ -261,6 +261,41 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):
     assert sorted(os.listdir(out_dir)) == [".lock", "step_000001"]
 
 
+SLOW_STDERR = """import os, sys, time
+sys.path.insert(0, {here!r})
+from harness.launch import one_line_errors
+
+class Slow:  # a stderr whose writes take half a second, in Python: a signal's handler may run inside one
+    def write(self, text):
+        begun = time.time()
+        while time.time() - begun < 0.5:
+            pass
+        os.write(2, text.encode())
+
+    def flush(self):
+        pass
+
+sys.stderr = Slow()
+with one_line_errors():
+    os.write(1, b"ready\\n")
+    while True:
+        pass
+"""
+
+
+def test_a_second_signal_while_the_line_is_printed_ends_the_rank(tmp_path):
+    """Ctrl-C under torchrun: the terminal's SIGINT, then torchrun's SIGTERM while the first line is still being
+    written. The rank exits 130 with the one line, never hangs waiting on itself."""
+    (tmp_path / "slow.py").write_text(SLOW_STDERR.format(here=HERE))
+    process = start([sys.executable, str(tmp_path / "slow.py")])
+    process.stdout.readline()  # inside one_line_errors
+    process.send_signal(signal.SIGINT)
+    time.sleep(0.1)
+    process.send_signal(signal.SIGTERM)
+    output, _ = process.communicate(timeout=30)
+    assert process.returncode == 130 and output == "train.py: error: rank 0: stopped by SIGINT\n", output
+
+
 def test_the_pulse_stops_when_its_store_is_gone(monkeypatch):
     """A rank beats in the store every `every` seconds while it runs, and stops at the first beat that fails (the
     store went with its host): each failed call would print torch's warning, many lines, twice a second."""

@@ -74,12 +74,12 @@ def one_line_errors():
     status 1 on that rank (torchrun then stops the others), and SIGINT (Ctrl-C) or SIGTERM into one line
     and exit status 128 + the signal's number. A rank that prints nothing waits a moment before it exits, so that
     one torchrun, which stops every worker as soon as one fails, lets the line out."""
-    rank, once, (woken, wake) = int(os.environ.get("RANK", 0)), threading.Lock(), os.pipe()
+    rank, once = int(os.environ.get("RANK", 0)), threading.Lock()
 
     def stopped(signum, frame):
         # at once, and without the cleanup a normal exit does, which could wait on peers that are already gone; a
         # checkpoint being written stays a .tmp directory, which is never taken for a complete one
-        with once:  # by the handler or by the thread below, whichever comes first
+        if once.acquire(blocking=False):  # the first signal, by the handler or the thread below; a second returns
             print(f"train.py: error: rank {rank}: stopped by {signal.Signals(signum).name}", file=sys.stderr,
                   flush=True)
             os._exit(128 + signum)
@@ -92,6 +92,7 @@ def one_line_errors():
                 stopped(signum[0], None)
         os.close(woken)  # the other end was closed: the run is over
     before = {signum: signal.signal(signum, stopped) for signum in (signal.SIGINT, signal.SIGTERM)}
+    woken, wake = os.pipe()
     os.set_blocking(wake, False)
     woke_before = signal.set_wakeup_fd(wake)
     threading.Thread(target=signalled, daemon=True).start()
@@ -110,10 +111,10 @@ def one_line_errors():
                          f"--seq-len, a smaller --batch-size or model, or --tiles, --recompute, --offload (--plan "
                          f"NxG finds the longest sequence that fits)") from None
     finally:
-        for signum, handler in before.items():
-            signal.signal(signum, handler)
         signal.set_wakeup_fd(woke_before)
         os.close(wake)  # the thread reads the end of the pipe, and ends
+        for signum, handler in before.items():
+            signal.signal(signum, handler)
 
 
 def leave_quietly(status):
