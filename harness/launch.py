@@ -36,7 +36,7 @@ import sys
 import threading
 import time
 import traceback
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager
 from functools import partial
 from types import SimpleNamespace
 
